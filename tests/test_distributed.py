@@ -1,0 +1,219 @@
+"""distributed.py under real launchers: launch, distributed math, exact eval, resume, bad input."""
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torchvision
+
+from conftest import FAST, REPO, load_state, make_data, max_abs_diff, run
+
+sys.path.insert(0, str(REPO))
+import distributed  # noqa: E402  (the script itself, for its pure helpers)
+
+
+# ---- launching ----
+
+@pytest.mark.parametrize("launcher,nproc", [("python", 1), ("torchrun", 2), ("launch", 2)])
+def test_launchers(tiny_data, tmp_path, launcher, nproc):
+    out = tmp_path / "ckpt"
+    r = run(["--data", tiny_data, "-b", 32, "--epochs", 2, "--output-dir", out] + FAST,
+            launcher=launcher, nproc=nproc).check()
+    assert [s["epoch"] for s in r.summaries] == [0, 1]
+    expected_launcher = {"python": "none", "torchrun": "torchrun", "launch": "torch.distributed.launch"}[launcher]
+    for s in r.summaries:
+        assert (s["launcher"], s["world_size"], s["device"], s["val_count"]) == (expected_launcher, nproc, "cpu", 37)
+        assert s["images_per_sec"] > 0 and 0 <= s["data_wait"] <= 1
+    assert r.done["ranks_identical"] and len(r.done["state_sha256"]) == nproc
+    assert (out / "checkpoint.pth").is_file() and (out / "model_best.pth").is_file()
+    assert not [p for p in os.listdir(out) if p.endswith(".tmp")], "a temporary checkpoint file was left behind"
+    assert r.stdout.count("Epoch: [0]") == 1, "progress must be printed by global rank 0 only"
+
+
+@pytest.mark.parametrize("flag", ["--local-rank=3", "--local_rank=3"])
+def test_legacy_local_rank_spellings(flag):
+    assert distributed.parse_args([flag]).local_rank == 3
+
+
+def test_dummy_data_runs(tmp_path):
+    r = run(["--dummy", "--dummy-samples", 64, "-b", 16, "--epochs", 1, "--output-dir", tmp_path] + FAST,
+            launcher="torchrun", nproc=2).check()
+    assert r.summaries[0]["val_count"] == 6 and r.summaries[0]["images_per_sec"] > 0
+
+
+# ---- distributed math ----
+# BatchNorm normalises over the per-rank batch, so 2 ranks x 16 images are not the same computation
+# as 1 process x 32 images. These tests use --norm group (GroupNorm normalises each image on its
+# own), so the only difference left between the runs is DDP's gradient averaging under test.
+
+EQUIV = ["-b", 32, "--epochs", 1, "--norm", "group", "--lr", 0.05, "--warmup-epochs", 0.5] + FAST
+
+
+@pytest.fixture(scope="module")
+def single_process_weights(tiny_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    run(["--data", tiny_data, "--output-dir", out] + EQUIV).check()
+    return load_state(out / "checkpoint.pth")["state_dict"]
+
+
+def test_single_process_reference_trained(single_process_weights):
+    """Guards the two tests below: the reference moved well away from its initial weights."""
+    torch.manual_seed(0)
+    initial = torchvision.models.resnet18(num_classes=10, norm_layer=lambda c: nn.GroupNorm(32, c)).state_dict()
+    assert max_abs_diff(single_process_weights, initial) > 1e-3
+
+
+def test_ddp_equals_single_process(tiny_data, tmp_path, single_process_weights):
+    run(["--data", tiny_data, "--output-dir", tmp_path] + EQUIV, launcher="torchrun", nproc=2).check()
+    assert max_abs_diff(load_state(tmp_path / "checkpoint.pth")["state_dict"], single_process_weights) <= 1e-5
+
+
+def test_grad_accumulation_equals_whole_batch(tiny_data, tmp_path, single_process_weights):
+    r = run(["--data", tiny_data, "--output-dir", tmp_path, "--grad-accum-steps", 2] + EQUIV,
+            launcher="torchrun", nproc=2).check()
+    assert "(8 per process x 2 micro-batches)" in r.stdout
+    assert max_abs_diff(load_state(tmp_path / "checkpoint.pth")["state_dict"], single_process_weights) <= 1e-5
+
+
+def test_exact_evaluation_at_any_world_size(tiny_data, tmp_path):
+    run(["--data", tiny_data, "-b", 32, "--epochs", 1, "--output-dir", tmp_path] + FAST).check()
+    ckpt = tmp_path / "checkpoint.pth"
+    results = {}
+    for nproc in (1, 2, 3):
+        r = run(["--data", tiny_data, "-b", 32, "-e", "--resume", ckpt] + FAST,
+                launcher="python" if nproc == 1 else "torchrun", nproc=nproc).check()
+        (s,) = r.summaries
+        results[nproc] = (s["val_count"], s["val_loss"], s["val_acc1"], s["val_acc5"])
+    assert results[1][0] == 37, "every val image must be counted exactly once"
+    assert results[1] == results[2] == results[3]
+
+
+def test_resume_is_bitwise(tiny_data, tmp_path):
+    args = ["--data", tiny_data, "-b", 32, "--warmup-epochs", 1, "--lr-step-size", 1] + FAST
+    run(args + ["--epochs", 2, "--output-dir", tmp_path / "straight"], launcher="torchrun", nproc=2).check()
+    run(args + ["--epochs", 1, "--output-dir", tmp_path / "split"], launcher="torchrun", nproc=2).check()
+    r = run(args + ["--epochs", 2, "--output-dir", tmp_path / "split", "--resume", "auto"],
+            launcher="torchrun", nproc=2).check()
+    assert [s["epoch"] for s in r.summaries] == [1]
+    straight, split = load_state(tmp_path / "straight/checkpoint.pth"), load_state(tmp_path / "split/checkpoint.pth")
+    for key in straight["state_dict"]:
+        assert torch.equal(straight["state_dict"][key], split["state_dict"][key]), key
+    assert straight["scheduler"] == split["scheduler"]
+    for pid, state in straight["optimizer"]["state"].items():
+        assert torch.equal(state["momentum_buffer"], split["optimizer"]["state"][pid]["momentum_buffer"])
+
+
+def test_seed_is_deterministic_with_loader_workers(tiny_data, tmp_path):
+    def digest(seed, name):
+        args = ["--data", tiny_data, "-b", 32, "--epochs", 1, "--image-size", 32, "-j", 2, "-p", 1000,
+                "--seed", seed, "--output-dir", tmp_path / name]
+        return run(args).check().done["state_sha256"]
+    assert digest(7, "a") == digest(7, "b")
+    assert digest(8, "c") != digest(7, "a"), "a different seed must give different weights"
+
+
+# ---- helpers ----
+
+def test_shard_sampler_counts_each_sample_once():
+    data = list(range(37))
+    for world in (1, 2, 3, 4, 5):
+        shards = [list(distributed.ShardSampler(data, world, r)) for r in range(world)]
+        assert sorted(i for shard in shards for i in shard) == data
+
+
+def test_lr_schedule_warmup_then_steps():
+    args = distributed.parse_args(["--warmup-epochs", "2", "--lr-step-size", "3", "--lr-gamma", "0.1"])
+    factor = distributed.lr_schedule(args, steps_per_epoch=10)
+    assert factor(0) == pytest.approx(1 / 20) and factor(9) == pytest.approx(0.5)
+    assert factor(19) == factor(29) == 1.0
+    assert factor(30) == pytest.approx(0.1) and factor(60) == pytest.approx(0.01)
+
+
+# ---- demo data ----
+
+def test_demo_run_learns(tmp_path):
+    data = make_data(tmp_path / "digits", 1436, 361)
+    assert sorted(p.name for p in (data / "val").iterdir()) == [str(c) for c in range(10)]
+    r = run(["--data", data, "-b", 16, "--epochs", 2, "--output-dir", tmp_path / "ckpt"] + FAST,
+            launcher="torchrun", nproc=2).check()
+    assert r.summaries[-1]["val_count"] == 361
+    assert r.done["best_acc1"] >= 50, "10 classes: chance is 10%"
+
+
+# ---- bad input: one clear line, non-zero exit, no traceback ----
+
+class RunsCode:
+    """Unpickling this would create a file: a checkpoint must never execute it."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt")
+    run(["--data", tiny_data, "-b", 32, "--epochs", 1, "--output-dir", out] + FAST).check()
+    return out / "checkpoint.pth"
+
+
+def bad_inputs(tiny_data, checkpoint, tmp):
+    """{case: (arguments, launcher, expected message fragment)}, building the broken inputs in tmp."""
+    empty = tmp / "empty"
+    (empty / "train").mkdir(parents=True)
+    (empty / "val").mkdir()
+    missing_class = shutil.copytree(tiny_data, tmp / "missing_class")
+    shutil.rmtree(missing_class / "val" / "3")
+    empty_class = shutil.copytree(tiny_data, tmp / "empty_class")
+    for image in (empty_class / "train" / "5").iterdir():
+        image.unlink()
+    truncated = tmp / "truncated.pth"
+    truncated.write_bytes(checkpoint.read_bytes()[:5000])
+    malicious = tmp / "malicious.pth"
+    torch.save({"state_dict": RunsCode(str(tmp / "code-ran"))}, malicious)
+    not_a_dir = tmp / "not-a-dir"
+    not_a_dir.write_text("a file, not a directory")
+    data = ["--data", tiny_data, "-b", 32]
+    return {
+        "missing data dir": (["--data", tmp / "nope"], "python", "is not a directory"),
+        "no data at all": ([], "python", "no dataset: pass --data"),
+        "empty data dir": (["--data", empty], "python", "bad dataset"),
+        "val class missing": (["--data", missing_class], "python", "val classes differ from train classes"),
+        "empty class folder": (["--data", empty_class], "python", "bad dataset"),
+        "unknown arch": (data + ["-a", "resnet19"], "python", "unknown --arch 'resnet19': did you mean resnet18"),
+        "batch below world size": (["--data", tiny_data, "-b", 1], "torchrun", "must be a multiple of world size 2"),
+        "sync-bn on cpu": (data + ["--sync-bn"], "python", "--sync-bn needs CUDA"),
+        "other arch checkpoint": (data + ["-a", "resnet34", "-e", "--resume", checkpoint], "python",
+                                  "is for arch 'resnet18', not 'resnet34'"),
+        "truncated checkpoint": (data + ["-e", "--resume", truncated], "python", "cannot load checkpoint"),
+        "code in checkpoint": (data + ["-e", "--resume", malicious], "python", "cannot load checkpoint"),
+        "no such checkpoint": (data + ["--resume", tmp / "none.pth"], "python", "no checkpoint at"),
+        "unwritable output dir": (data + ["--output-dir", not_a_dir / "sub"], "python", "cannot write checkpoints"),
+        "train set below one batch": (["--data", tiny_data, "-b", 128], "python", "smaller than one global batch"),
+    }
+
+
+BAD = ["missing data dir", "no data at all", "empty data dir", "val class missing", "empty class folder",
+       "unknown arch", "batch below world size", "sync-bn on cpu", "other arch checkpoint",
+       "truncated checkpoint", "code in checkpoint", "no such checkpoint", "unwritable output dir",
+       "train set below one batch"]
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_input(case, tiny_data, checkpoint, tmp_path):
+    args, launcher, message = bad_inputs(tiny_data, checkpoint, tmp_path)[case]
+    checkpoint_before = checkpoint.read_bytes()
+    out = tmp_path / "out"
+    r = run(["--output-dir", out] + args + FAST, launcher=launcher, nproc=2 if launcher == "torchrun" else 1)
+    assert r.returncode != 0
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], r.stderr
+    # torchrun adds its own failure report after the worker's line; the worker itself printed no traceback.
+    assert "Traceback" not in r.stdout + r.stderr.split("error:")[0]
+    assert not (tmp_path / "code-ran").exists(), "loading a checkpoint ran pickled code"
+    assert checkpoint.read_bytes() == checkpoint_before
+    assert not list(out.glob("*.pth")) and not list(out.glob(".*.tmp"))
