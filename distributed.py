@@ -147,20 +147,6 @@ def correct_counts(output, target, topk=(1, 5)):
     return [hits[:, :min(k, maxk)].any(dim=1).sum() for k in topk]
 
 
-def all_reduce_sum(tensor):
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
-
-
-def all_gather_objects(obj):
-    if dist.is_available() and dist.is_initialized():
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, obj)
-        return gathered
-    return [obj]
-
-
 class ShardSampler(torch.utils.data.Sampler):
     """Evaluation sampler: rank r takes samples r, r+W, r+2W, ... with NO padding.
 
@@ -333,6 +319,29 @@ def state_digest(module):
     return digest.hexdigest()
 
 
+def summary(kind, **fields):
+    """One machine-readable JSON line (rank 0), for statistics.sh and the tests."""
+    log(f"{kind} " + json.dumps(fields, sort_keys=False))
+
+# ---- end of shared helpers ----
+
+
+# ---- communication: the lines each method does its own way ----
+
+def all_reduce_sum(tensor):
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_gather_objects(obj):
+    if dist.is_available() and dist.is_initialized():
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, obj)
+        return gathered
+    return [obj]
+
+
 def broadcast_buffers(module):
     """Copy rank 0's BatchNorm running statistics to every rank.
 
@@ -343,13 +352,6 @@ def broadcast_buffers(module):
     if dist.is_available() and dist.is_initialized():
         for buffer in module.buffers():
             dist.broadcast(buffer, src=0)
-
-
-def summary(kind, **fields):
-    """One machine-readable JSON line (rank 0), for statistics.sh and the tests."""
-    log(f"{kind} " + json.dumps(fields, sort_keys=False))
-
-# ---- end of shared helpers ----
 
 
 def setup_distributed(args):
