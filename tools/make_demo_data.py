@@ -13,6 +13,7 @@ neither 2, 3 nor 4, so distributed evaluation cannot hide padded duplicate sampl
     python tools/make_demo_data.py --out /tmp/d --train-count 64 --val-count 37
 """
 import argparse
+import json
 import os
 import sys
 
@@ -43,8 +44,15 @@ def main(argv=None):
         sys.exit(f"error: --train-count + --val-count must be between 2 and {total} (the digits set has {total} images)")
     if args.size < 8:
         sys.exit("error: --size must be at least 8 (the source images are 8x8)")
+    params = {"size": args.size, "val_count": args.val_count, "train_count": train_count}
+    marker = os.path.join(args.out, "demo.json")
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            if json.load(f) == params:
+                print(f"{args.out} already holds this demo set; nothing to do")
+                return
     if os.path.exists(os.path.join(args.out, "train")) or os.path.exists(os.path.join(args.out, "val")):
-        sys.exit(f"error: {args.out} already holds a dataset: remove it first or pass another --out")
+        sys.exit(f"error: {args.out} already holds another dataset: remove it first or pass another --out")
 
     order = np.random.default_rng(0).permutation(total)
     splits = {"val": order[:args.val_count], "train": order[args.val_count:args.val_count + train_count]}
@@ -56,6 +64,8 @@ def main(argv=None):
             pixels = (images[i] * (255.0 / 16.0)).round().astype(np.uint8)
             img = Image.fromarray(pixels, mode="L").resize((args.size, args.size), Image.BILINEAR)
             img.save(os.path.join(args.out, split, str(labels[i]), f"{i:04d}.png"))
+    with open(marker, "w") as f:  # written last: its presence means the set is complete
+        json.dump(params, f)
     print(f"wrote {len(splits['train'])} train and {len(splits['val'])} val images "
           f"({len(digits.target_names)} classes, {args.size}px) to {args.out}")
 

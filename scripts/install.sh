@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Creates .venv and installs what the cookbook needs. Safe to re-run: finished steps are skipped.
+#
+#   bash scripts/install.sh           # trainers + demo data: requirements.txt, requirements-dev.txt
+#   bash scripts/install.sh --tests   # also the engines the tests start for real: the Slurm and
+#                                     # munge Debian packages, and Horovod compiled against this torch
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+tests=0
+case "${1:-}" in
+    "") ;;
+    --tests) tests=1 ;;
+    *) echo "usage: bash scripts/install.sh [--tests]" >&2; exit 2 ;;
+esac
+
+[[ -x .venv/bin/python ]] || python3 -m venv .venv
+.venv/bin/pip install --quiet --disable-pip-version-check -r requirements.txt -r requirements-dev.txt
+
+if (( tests )); then
+    missing=()
+    for pkg in slurmctld slurmd slurm-client munge cmake g++ make; do
+        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
+    done
+    if (( ${#missing[@]} )); then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    fi
+    bash scripts/install_horovod.sh .venv/bin/python
+fi
+echo "install.sh: done ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
