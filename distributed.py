@@ -62,6 +62,8 @@ def parse_args(argv=None):
     parser.add_argument("-b", "--batch-size", type=int, default=256,
                         help="GLOBAL batch size per optimizer step, split evenly over all processes "
                              "(and over --grad-accum-steps micro-batches)")
+    parser.add_argument("--val-batch-size", type=int, default=64,
+                        help="evaluation batch per process; the same at every world size, so the val numbers are too")
     parser.add_argument("--grad-accum-steps", type=int, default=1,
                         help="micro-batches per optimizer step; DDP all-reduces only on the last one")
     parser.add_argument("--lr", "--learning-rate", type=float, default=0.1,
@@ -151,21 +153,25 @@ def correct_counts(output, target, topk=(1, 5)):
 
 
 class ShardSampler(torch.utils.data.Sampler):
-    """Evaluation sampler: rank r takes samples r, r+W, r+2W, ... with NO padding.
+    """Evaluation batch sampler: the val set is cut into batches of batch_size, and rank r takes
+    batches r, r+W, r+2W, ... with NO padding.
 
     DistributedSampler pads the dataset with duplicates so every rank gets the same count, which
     would count some val images twice. Unequal per-rank counts are fine here because evaluation
-    synchronises only once, after the loop.
+    synchronises only once, after the loop. Cutting the batches before dealing them out puts every
+    image in the same batch at any world size; kernels may round differently for another batch
+    size, so this is what makes the per-image results, and the totals, bitwise identical.
     """
 
-    def __init__(self, dataset, num_replicas, rank):
-        self.indices = range(rank, len(dataset), num_replicas)
+    def __init__(self, dataset, num_replicas, rank, batch_size):
+        starts = range(rank * batch_size, len(dataset), num_replicas * batch_size)
+        self.batches = [list(range(start, min(start + batch_size, len(dataset)))) for start in starts]
 
     def __iter__(self):
-        return iter(self.indices)
+        return iter(self.batches)
 
     def __len__(self):
-        return len(self.indices)
+        return len(self.batches)
 
 
 class SampleSeeded(torch.utils.data.Dataset):
@@ -367,8 +373,8 @@ def setup_distributed(args):
     use_cuda = torch.cuda.is_available() and not args.cpu
     if args.sync_bn and not use_cuda:
         raise UsageError("--sync-bn needs CUDA: SyncBatchNorm works only with CUDA modules (drop --sync-bn on CPU)")
-    if args.batch_size < world_size * args.grad_accum_steps or \
-            args.batch_size % (world_size * args.grad_accum_steps):
+    if not args.evaluate and (args.batch_size < world_size * args.grad_accum_steps
+                              or args.batch_size % (world_size * args.grad_accum_steps)):
         raise UsageError(f"global batch -b {args.batch_size} must be a multiple of world size {world_size} "
                          f"x --grad-accum-steps {args.grad_accum_steps}")
     if RANK == 0 and not args.evaluate:
@@ -441,13 +447,13 @@ def main_worker(args):
     # single process would take. drop_last: drop the tail instead of padding it with duplicates.
     train_sampler = torch.utils.data.distributed.DistributedSampler(
         train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
-    micro_batch = args.batch_size // world_size // args.grad_accum_steps
+    micro_batch = max(1, args.batch_size // world_size // args.grad_accum_steps)  # -e skips the -b checks
     loader_kwargs = {"num_workers": args.workers, "pin_memory": device.type == "cuda"}
     train_loader = torch.utils.data.DataLoader(
         train_set, batch_size=micro_batch, sampler=train_sampler, drop_last=True,
         generator=torch.Generator().manual_seed(seed + rank), **loader_kwargs)
     val_loader = torch.utils.data.DataLoader(
-        val_set, batch_size=max(1, micro_batch), sampler=ShardSampler(val_set, world_size, rank), **loader_kwargs)
+        val_set, batch_sampler=ShardSampler(val_set, world_size, rank, args.val_batch_size), **loader_kwargs)
     steps_per_epoch = len(train_loader) // args.grad_accum_steps
     if steps_per_epoch == 0 and not args.evaluate:
         raise UsageError(f"the train set ({len(train_set)} images) is smaller than one global batch "
