@@ -1,0 +1,73 @@
+#!/usr/bin/env python
+"""The yardstick for `bash start.sh --benchmark`: a bare, minimal DDP training loop, with nothing
+but what every method must do per step (load a batch, forward, backward with all-reduce, step).
+
+    torchrun --standalone --nproc-per-node=2 benchmarks/bare_ddp.py --dummy --image-size 64 -b 32 --epochs 2
+
+It takes the trainers' workload flags (the others are ignored) and prints, like them, one SUMMARY
+line per epoch with the epoch's training images/s, so statistics.sh can divide each method's
+throughput by this loop's on the same model, synthetic data, world size and global batch.
+"""
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torchvision.models as models
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dummy", action="store_true", help="accepted for symmetry: the data is always synthetic")
+    parser.add_argument("--dummy-samples", type=int, default=10000)
+    parser.add_argument("-a", "--arch", default="resnet18")
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("-b", "--batch-size", type=int, default=256, help="global batch")
+    parser.add_argument("-j", "--workers", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=2)
+    args, _ = parser.parse_known_args()
+
+    use_cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+
+    # The same bank of 64 random images the trainers' --dummy uses: memory stays bounded.
+    bank = torch.randn(64, 3, args.image_size, args.image_size, generator=torch.Generator().manual_seed(0))
+    data = [(bank[i % 64], i % 1000) for i in range(args.dummy_samples)]
+    sampler = torch.utils.data.distributed.DistributedSampler(data, drop_last=True)
+    loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size // world, sampler=sampler, drop_last=True,
+                                         num_workers=args.workers, pin_memory=use_cuda)
+    model = DDP(models.get_model(args.arch, num_classes=1000).to(device),
+                device_ids=[local_rank] if use_cuda else None)
+    optimizer = torch.optim.SGD(model.parameters(), 0.1 * args.batch_size / 256, momentum=0.9, weight_decay=1e-4)
+    criterion = torch.nn.CrossEntropyLoss()
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        images_seen = 0
+        start = time.perf_counter()
+        for images, target in loader:
+            images, target = images.to(device, non_blocking=True), target.to(device, non_blocking=True)
+            loss = criterion(model(images), target)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            images_seen += target.size(0) * world
+        if use_cuda:
+            torch.cuda.synchronize()
+        if rank == 0:
+            print("SUMMARY " + json.dumps({"method": "bare", "launcher": "torchrun", "world_size": world,
+                                           "device": device.type, "epoch": epoch,
+                                           "images_per_sec": round(images_seen / (time.perf_counter() - start), 1)}),
+                  flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+#!/usr/bin/env bash
+# Run every data-parallel method of the cookbook on the same recipe and compare them.
+#
+#   bash start.sh                         # every method this machine can run, demo data, 5 epochs
+#   bash start.sh --methods ddp,spawn     # a subset (dp ddp launch spawn amp horovod slurm fsdp)
+#   bash start.sh --data /data/imagenet --epochs 90 -- -a resnet50 -j 8   # args after -- go to every trainer
+#   bash start.sh --dummy                 # synthetic images
+#   bash start.sh --benchmark             # images/s of each method against a bare DDP loop
+#   bash start.sh --dry-run               # print the commands only
+#
+# One process per GPU when GPUs are visible, else --nproc CPU processes (default 2). Each method
+# logs to logs/<method>.log (benchmark: logs/benchmark/); statistics.sh turns the logs into a table.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+
+PY=${PYTHON:-.venv/bin/python}
+ALL_METHODS=(dp ddp launch spawn amp horovod slurm fsdp)
+methods=$(IFS=,; echo "${ALL_METHODS[*]}")
+data="" dummy=0 epochs=5 nproc="" dry_run=0 benchmark=0 repeats=3 logs=logs
+extra=()
+
+usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+die() { echo "start.sh: error: $*" >&2; exit 2; }
+
+while (( $# )); do
+    case $1 in
+        --methods) methods=${2:?}; shift 2 ;;
+        --data) data=${2:?}; shift 2 ;;
+        --dummy) dummy=1; shift ;;
+        --epochs) epochs=${2:?}; shift 2 ;;
+        --nproc) nproc=${2:?}; shift 2 ;;
+        --benchmark) benchmark=1; shift ;;
+        --repeats) repeats=${2:?}; shift 2 ;;
+        --logs) logs=${2:?}; shift 2 ;;
+        --dry-run) dry_run=1; shift ;;
+        -h|--help) usage ;;
+        --) shift; extra=("$@"); break ;;
+        *) echo "start.sh: error: unknown option '$1'" >&2; usage 2 ;;
+    esac
+done
+[[ -x $PY ]] || die "$PY not found: run 'bash scripts/install.sh' first (or set PYTHON)"
+for m in ${methods//,/ }; do
+    [[ " ${ALL_METHODS[*]} " == *" $m "* ]] || die "unknown method '$m' in --methods: pick from ${ALL_METHODS[*]}"
+done
+
+gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+if [[ -z $nproc ]]; then
+    nproc=$(( gpus > 0 ? gpus : 2 ))
+fi
+# Each CPU process gets its share of the cores; more threads than cores only thrash.
+cores=$(nproc)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / nproc > 0 ? cores / nproc : 1 ))}
+# torchrun restarts on torch 2.14 reuse the rendezvous TCP store, whose stale peer addresses made
+# restarted workers fail or hang (3 of 5 trials here); a fresh store per attempt fixes it.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+
+# The recipe every method shares: the demo digits (96% top-1 after 5 epochs with DDP), ImageNet
+# (--data) with its defaults, or synthetic images (--dummy, --benchmark).
+if (( benchmark )); then
+    recipe=(--dummy --dummy-samples $(( 64 * nproc * 8 )) --image-size 64 -b $(( 16 * nproc )) --epochs 2 -p 1000000)
+    logs=$logs/benchmark
+elif (( dummy )); then
+    recipe=(--dummy --epochs "$epochs")
+elif [[ -n $data ]]; then
+    recipe=(--data "$data" --epochs "$epochs")
+else
+    data=data/digits
+    recipe=(--data "$data" --image-size 32 -j 1 -b 32 --lr 0.1 --epochs "$epochs" --lr-step-size 3
+            --min-crop-scale 0.35)
+fi
+recipe+=("${extra[@]}")
+
+free_port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'; }
+
+# Sets cmd to the launch command of method $1, or skip to why this machine cannot run it.
+method_command() {
+    local m=$1 out=checkpoints/$1
+    cmd=() skip=""
+    case $m in
+        dp)
+            # One process drives every GPU; on CPU it is plain training, so give it all the cores.
+            cmd=(env OMP_NUM_THREADS=$(( OMP_NUM_THREADS * nproc )) "$PY" dataparallel.py) ;;
+        ddp) cmd=("$(dirname "$PY")/torchrun" --standalone --nproc-per-node="$nproc" distributed.py) ;;
+        launch)
+            cmd=("$PY" -m torch.distributed.launch --nproc_per_node="$nproc" --master_port="$(free_port)"
+                 distributed.py) ;;
+        spawn) cmd=("$PY" multiprocessing_distributed.py --nprocs "$nproc") ;;
+        amp)
+            cmd=("$(dirname "$PY")/torchrun" --standalone --nproc-per-node="$nproc" apex_distributed.py)
+            (( gpus > 0 )) || cmd+=(--amp-dtype bfloat16) ;;  # fp16 autocast needs CUDA
+        horovod)
+            if ! "$PY" -c 'import horovod.torch' 2>/dev/null; then
+                skip="Horovod not installed (bash scripts/install_horovod.sh)"
+            fi
+            cmd=("$(dirname "$PY")/horovodrun" -np "$nproc" -H "localhost:$nproc" --gloo "$PY" horovod_distributed.py) ;;
+        slurm)
+            if ! command -v srun >/dev/null || ! scontrol ping 2>/dev/null | grep -q UP; then
+                skip="no Slurm cluster up (bash scripts/slurm_cluster.sh start)"
+            fi
+            cmd=(srun -N1 -n"$nproc" "$PY" distributed_slurm_main.py) ;;
+        fsdp) cmd=("$(dirname "$PY")/torchrun" --standalone --nproc-per-node="$nproc" fsdp_distributed.py) ;;
+    esac
+    local script
+    for script in "${cmd[@]}"; do
+        [[ $script == *.py && ! -f $script ]] && skip="$script does not exist yet"
+    done
+    cmd+=("${recipe[@]}" --output-dir "$out")
+}
+
+run_method() {  # run_method METHOD: run it, appending to its log, showing its per-epoch lines as it goes
+    local m=$1 log=$logs/$1.log
+    method_command "$m"
+    echo "== $m: ${cmd[*]}"
+    (( dry_run )) && return
+    local start=$SECONDS status=0
+    "${cmd[@]}" >>"$log" 2>&1 &
+    local pid=$!
+    tail -n0 -F --pid=$pid "$log" 2>/dev/null | grep --line-buffered -E '^(SUMMARY|error)' \
+        | sed -u 's/^SUMMARY /   /' | cut -c1-200 &
+    wait $pid || status=$?
+    wait
+    echo "   $m finished in $(( SECONDS - start )) s (exit $status)"
+    (( status == 0 )) || failed+=("$m")
+}
+
+if [[ $data == data/digits && ! -f $data/demo.json ]] && (( ! dry_run )); then
+    "$PY" tools/make_demo_data.py --out "$data"
+fi
+mkdir -p "$logs"
+echo "start.sh: $nproc processes ($( (( gpus > 0 )) && echo "$gpus GPUs" || echo "CPU, $OMP_NUM_THREADS threads each")), logs in $logs/"
+runnable=()
+for m in ${methods//,/ }; do
+    method_command "$m"
+    if [[ -n $skip ]]; then
+        echo "== $m: skipped: $skip"
+    else
+        runnable+=("$m")
+        (( dry_run )) || : >"$logs/$m.log"
+    fi
+done
+failed=()
+if (( benchmark )); then
+    (( dry_run )) || : >"$logs/bare.log"
+    bare=("$(dirname "$PY")/torchrun" --standalone --nproc-per-node="$nproc" benchmarks/bare_ddp.py "${recipe[@]}")
+    # Alternate bare loop and methods, so a noisy machine slows both alike; statistics.sh takes medians.
+    for (( r = 1; r <= repeats; r++ )); do
+        echo "== bare (run $r/$repeats): ${bare[*]}"
+        (( dry_run )) || "${bare[@]}" >>"$logs/bare.log" 2>&1 || failed+=(bare)
+        for m in "${runnable[@]}"; do run_method "$m"; done
+    done
+else
+    for m in "${runnable[@]}"; do run_method "$m"; done
+fi
+(( dry_run )) && exit 0
+bash statistics.sh "$logs"
+if (( ${#failed[@]} )); then
+    echo "start.sh: error: failed: ${failed[*]} (see their logs in $logs/)" >&2
+    exit 1
+fi

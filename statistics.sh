@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Turn the trainers' logs (start.sh writes LOGDIR/<method>.log) into a markdown table, written to
+# stdout and LOGDIR/summary.md, plus LOGDIR/summary.png (images/s and top-1 per method) where
+# matplotlib is installed.
+#
+#   bash statistics.sh [LOGDIR]          # default: logs
+#
+# It reads the SUMMARY/DONE JSON lines the trainers print. Each run's first epoch is left out of
+# s/epoch and images/s when later epochs exist (it pays for start-up). Logs with a bare.log (from
+# start.sh --benchmark) get a column with each method's images/s over the bare DDP loop's.
+# Missing, failed or unfinished runs are reported in a line below the table, never crash it.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+logdir=${1:-logs}
+PY=${PYTHON:-.venv/bin/python}
+[[ -x $PY ]] || PY=python3
+[[ -d $logdir ]] || { echo "statistics.sh: error: no log directory '$logdir': run start.sh first" >&2; exit 2; }
+
+exec "$PY" - "$logdir" <<'EOF'
+import glob
+import json
+import os
+import statistics
+import sys
+
+logdir = sys.argv[1]
+ORDER = ["dp", "ddp", "launch", "spawn", "amp", "horovod", "slurm", "fsdp"]
+
+
+def read(path):
+    summaries, done, errors = [], None, []
+    with open(path, errors="replace") as f:
+        for line in f:
+            kind, _, payload = line.strip().partition(" ")
+            try:
+                if kind == "SUMMARY":
+                    summaries.append(json.loads(payload))
+                elif kind == "DONE":
+                    done = json.loads(payload)
+            except json.JSONDecodeError:
+                errors.append(f"unreadable {kind} line")
+            if line.startswith("error:"):
+                errors.append(line.strip())
+    return summaries, done, errors
+
+
+def steady(summaries):
+    """Epochs after each run's first (epoch numbers restart at 0 when runs are appended)."""
+    later = [s for s in summaries if s.get("epoch", 0) > 0]
+    return later or summaries
+
+
+def median(summaries, key):
+    values = [s[key] for s in steady(summaries) if s.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+runs, notes = {}, []
+for path in sorted(glob.glob(os.path.join(logdir, "*.log"))):
+    name = os.path.basename(path)[:-4]
+    summaries, done, errors = read(path)
+    summaries = [s for s in summaries if "images_per_sec" in s]
+    if not summaries:
+        notes.append(f"{name}: no summary line ({errors[0] if errors else 'failed before its first epoch, or still running'})")
+        continue
+    if name != "bare" and done is None:
+        notes.append(f"{name}: partial (no DONE line: failed or still running); its finished epochs are counted")
+    runs[name] = {"summaries": summaries, "done": done}
+
+bare = runs.pop("bare", None)
+if not runs:
+    print(f"statistics.sh: no usable logs in {logdir}/")
+    for note in notes:
+        print(f"- {note}")
+    sys.exit(1)
+
+bare_speed = median(bare["summaries"], "images_per_sec") if bare else None
+dp_speed = median(runs["dp"]["summaries"], "images_per_sec") if "dp" in runs else None
+names = sorted(runs, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n))
+header = ["method", "launcher", "world size", "device", "epochs", "median s/epoch", "images/s",
+          "speed-up over DP", "best top-1 %"]
+if bare_speed:
+    header.append("x bare DDP loop")
+rows = []
+for name in names:
+    summaries = runs[name]["summaries"]
+    last = summaries[-1]
+    speed = median(summaries, "images_per_sec")
+    best = max((s["val_acc1"] for s in summaries if s.get("val_acc1") is not None), default=None)
+    epoch_time = median(summaries, "epoch_time")
+    row = [name, last.get("launcher", "?"), str(last.get("world_size", "?")), last.get("device", "?"),
+           str(len({s["epoch"] for s in summaries})),
+           f"{epoch_time:.1f}" if epoch_time else "-", f"{speed:.1f}",
+           f"{speed / dp_speed:.2f}" if dp_speed else "-", f"{best:.1f}" if best is not None else "-"]
+    if bare_speed:
+        row.append(f"{speed / bare_speed:.3f}")
+    rows.append(row)
+
+lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+lines += ["| " + " | ".join(row) + " |" for row in rows]
+if bare_speed:
+    lines.append(f"\nbare DDP loop: {bare_speed:.1f} images/s (median)")
+lines += [f"- {note}" for note in notes]
+text = "\n".join(lines)
+print(text)
+with open(os.path.join(logdir, "summary.md"), "w") as f:
+    f.write(text + "\n")
+
+try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+except ImportError:
+    sys.exit(0)
+fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+left.bar(names, [float(r[6]) for r in rows])
+left.set_title("images/s (median epoch)")
+right.bar(names, [float(r[8]) if r[8] != "-" else 0 for r in rows])
+right.set_title("best val top-1 (%)")
+right.set_ylim(0, 100)
+fig.tight_layout()
+fig.savefig(os.path.join(logdir, "summary.png"), dpi=100)
+print(f"chart: {os.path.join(logdir, 'summary.png')}")
+EOF
