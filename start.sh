@@ -115,8 +115,10 @@ run_method() {  # run_method METHOD: run it, appending to its log, showing its p
     local start=$SECONDS status=0
     "${cmd[@]}" >>"$log" 2>&1 &
     local pid=$!
-    tail -n0 -F --pid=$pid "$log" 2>/dev/null | grep --line-buffered -E '^(SUMMARY|error)' \
-        | sed -u 's/^SUMMARY /   /' | cut -c1-200 &
+    # Progress: one short line per finished epoch, and any error line.
+    tail -n0 -F --pid=$pid "$log" 2>/dev/null | grep --line-buffered -E '^(SUMMARY|error)' | sed -u -E \
+        -e 's/.*"epoch": ([0-9]+).*"val_acc1": ([0-9]+\.?[0-9]?)[0-9]*.*"epoch_time": ([0-9.]+), "images_per_sec": ([0-9.]+).*/   epoch \1: val top-1 \2 %, \3 s, \4 images\/s/' \
+        -e 's/^SUMMARY .*"epoch": ([0-9]+).*"images_per_sec": ([0-9.]+).*/   epoch \1: \2 images\/s/' &
     wait $pid || status=$?
     wait
     echo "   $m finished in $(( SECONDS - start )) s (exit $status)"
