@@ -1,6 +1,7 @@
 """Test harness: runs the trainers as real subprocesses under real launchers (CPU, gloo, tiny images)."""
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -41,6 +42,9 @@ def launch_command(script, launcher, nproc):
         return [PYTHON, str(REPO / script)]
     if launcher == "torchrun":
         return [str(Path(PYTHON).parent / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", str(REPO / script)]
+    if launcher == "horovodrun":  # Horovod's launcher, all ranks on this host, Gloo (no MPI needed)
+        return [str(Path(PYTHON).parent / "horovodrun"), "-np", str(nproc), "-H", f"localhost:{nproc}", "--gloo",
+                PYTHON, str(REPO / script)]
     if launcher == "launch":
         return [PYTHON, "-m", "torch.distributed.launch", f"--nproc_per_node={nproc}",
                 f"--master_port={free_port()}", str(REPO / script)]
@@ -52,6 +56,8 @@ def run(args, launcher="python", nproc=1, script="distributed.py", env=None, tim
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     proc = subprocess.run(launch_command(script, launcher, nproc) + [str(a) for a in args], cwd=REPO,
                           env=full_env, capture_output=True, text=True, timeout=timeout)
+    if launcher == "horovodrun":  # it starts each line of rank N's output with "[N]<stdout>:" or "[N]<stderr>:"
+        proc.stdout, proc.stderr = (re.sub(r"(?m)^\[\d+\]<std(?:out|err)>:", "", s) for s in (proc.stdout, proc.stderr))
     result = Result(proc.returncode, proc.stdout, proc.stderr)
     for line in proc.stdout.splitlines():
         kind, _, payload = line.partition(" ")
