@@ -1,0 +1,75 @@
+"""Every trainer script carries distributed.py's shared helper block byte for byte.
+
+The cookbook copies its helpers into each standalone script on purpose (one file to read and to
+copy); this test is what keeps the copies from drifting apart.
+"""
+import ast
+import difflib
+
+import pytest
+
+from conftest import REPO
+
+REFERENCE = "distributed.py"
+SCRIPTS = ["dataparallel.py", "multiprocessing_distributed.py", "apex_distributed.py", "horovod_distributed.py",
+           "distributed_slurm_main.py", "fsdp_distributed.py"]
+BEGIN = "# ---- shared helpers: byte-identical in every script of the cookbook (tests/test_consistency.py) ----\n"
+END = "# ---- end of shared helpers ----\n"
+# What the block holds. Moving a helper in or out of it is a decision for every script at once:
+# make it here too.
+SHARED_HELPERS = ["UsageError", "log", "AverageMeter", "ProgressMeter", "correct_counts", "ShardSampler",
+                  "SampleSeeded", "DummyImages", "build_datasets", "build_model", "lr_schedule", "rng_state",
+                  "set_rng_state", "save_checkpoint", "load_checkpoint", "state_digest", "summary"]
+
+
+def shared_block(path):
+    """The lines from the BEGIN marker to the END marker, both included; fails naming what is missing."""
+    lines = path.read_text().splitlines(keepends=True)
+    for marker in (BEGIN, END):
+        if lines.count(marker) != 1:
+            pytest.fail(f"{path.name}: needs the line {marker.strip()!r} exactly once, found {lines.count(marker)}")
+    begin, end = lines.index(BEGIN), lines.index(END)
+    if end < begin:
+        pytest.fail(f"{path.name}: {END.strip()!r} comes before {BEGIN.strip()!r}")
+    return lines[begin:end + 1]
+
+
+def check_same_helpers(path, reference=REPO / REFERENCE):
+    expected, actual = shared_block(reference), shared_block(path)
+    if actual != expected:
+        diff = "".join(difflib.unified_diff(expected, actual, f"{reference.name} (shared helpers)",
+                                            f"{path.name} (shared helpers)"))
+        pytest.fail(f"{path.name}: its shared helper block differs from {reference.name}'s; copy the block "
+                    f"from {reference.name} (or change both):\n{diff}", pytrace=False)
+
+
+def test_reference_block_holds_the_shared_helpers():
+    tree = ast.parse("".join(shared_block(REPO / REFERENCE)))
+    defined = [node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
+    assert defined == SHARED_HELPERS
+
+
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if (REPO / s).exists()])
+def test_script_has_the_reference_helpers(script):
+    check_same_helpers(REPO / script)
+
+
+# ---- the check itself fails when it should ----
+
+def test_drift_is_reported_as_a_diff_naming_the_script(tmp_path):
+    drifted = tmp_path / "drifted_trainer.py"
+    text = (REPO / REFERENCE).read_text()
+    drifted.write_text(text.replace('        print(*args, **kwargs, flush=True)', '        print(*args, **kwargs)', 1))
+    with pytest.raises(pytest.fail.Exception) as failure:
+        check_same_helpers(drifted)
+    message = str(failure.value)
+    assert "drifted_trainer.py: its shared helper block differs" in message
+    assert "-        print(*args, **kwargs, flush=True)\n+        print(*args, **kwargs)\n" in message
+
+
+@pytest.mark.parametrize("marker", [BEGIN, END])
+def test_missing_marker_is_reported(tmp_path, marker):
+    unmarked = tmp_path / "unmarked_trainer.py"
+    unmarked.write_text((REPO / REFERENCE).read_text().replace(marker, ""))
+    with pytest.raises(pytest.fail.Exception, match="unmarked_trainer.py: needs the line .*found 0"):
+        check_same_helpers(unmarked)
