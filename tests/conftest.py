@@ -48,6 +48,8 @@ def launch_command(script, launcher, nproc):
     if launcher == "launch":
         return [PYTHON, "-m", "torch.distributed.launch", f"--nproc_per_node={nproc}",
                 f"--master_port={free_port()}", str(REPO / script)]
+    if launcher == "spawn":  # no launcher: the script starts nproc processes itself (torch.multiprocessing.spawn)
+        return [PYTHON, str(REPO / script), f"--nprocs={nproc}"]
     raise ValueError(launcher)
 
 
