@@ -57,7 +57,7 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 # The recipe every method shares: the demo digits (96% top-1 after 5 epochs with DDP), ImageNet
 # (--data) with its defaults, or synthetic images (--dummy, --benchmark).
 if (( benchmark )); then
-    recipe=(--dummy --dummy-samples $(( 64 * nproc * 8 )) --image-size 64 -b $(( 16 * nproc )) --epochs 2 -p 1000000)
+    recipe=(--dummy --dummy-samples $(( 64 * nproc * 8 )) --image-size 32 -b $(( 16 * nproc )) --epochs 2 -p 1000000)
     logs=$logs/benchmark
 elif (( dummy )); then
     recipe=(--dummy --epochs "$epochs")
