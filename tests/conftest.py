@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -29,6 +30,21 @@ class Result:
         assert self.returncode == 0, f"exit {self.returncode}\nstdout:\n{self.stdout}\nstderr:\n{self.stderr}"
         return self
 
+    @classmethod
+    def parse(cls, returncode, stdout, stderr):
+        """A finished run, with the machine-readable lines of its output collected."""
+        result = cls(returncode, stdout, stderr)
+        for line in stdout.splitlines():
+            kind, _, payload = line.partition(" ")
+            if kind in ("SUMMARY", "DONE"):
+                # raw_decode: a killed job's log can have srun's own message glued after the JSON.
+                record = json.JSONDecoder().raw_decode(payload)[0]
+                if kind == "SUMMARY":
+                    result.summaries.append(record)
+                else:
+                    result.done = record
+        return result
+
 
 def free_port():
     with socket.socket() as s:
@@ -50,6 +66,10 @@ def launch_command(script, launcher, nproc):
                 f"--master_port={free_port()}", str(REPO / script)]
     if launcher == "spawn":  # no launcher: the script starts nproc processes itself (torch.multiprocessing.spawn)
         return [PYTHON, str(REPO / script), f"--nprocs={nproc}"]
+    if launcher == "srun":  # Slurm: nproc tasks on one node
+        return ["srun", "--nodes=1", f"--ntasks={nproc}", PYTHON, str(REPO / script)]
+    if launcher == "srun-nodes":  # Slurm: one task on each of nproc nodes
+        return ["srun", f"--nodes={nproc}", "--ntasks-per-node=1", PYTHON, str(REPO / script)]
     raise ValueError(launcher)
 
 
@@ -60,14 +80,7 @@ def run(args, launcher="python", nproc=1, script="distributed.py", env=None, tim
                           env=full_env, capture_output=True, text=True, timeout=timeout)
     if launcher == "horovodrun":  # it starts each line of rank N's output with "[N]<stdout>:" or "[N]<stderr>:"
         proc.stdout, proc.stderr = (re.sub(r"(?m)^\[\d+\]<std(?:out|err)>:", "", s) for s in (proc.stdout, proc.stderr))
-    result = Result(proc.returncode, proc.stdout, proc.stderr)
-    for line in proc.stdout.splitlines():
-        kind, _, payload = line.partition(" ")
-        if kind == "SUMMARY":
-            result.summaries.append(json.loads(payload))
-        elif kind == "DONE":
-            result.done = json.loads(payload)
-    return result
+    return Result.parse(proc.returncode, proc.stdout, proc.stderr)
 
 
 def make_data(out, train, val):
@@ -88,3 +101,69 @@ def load_state(path):
 
 def max_abs_diff(a, b):
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+# ---- shared by every trainer's tests ----
+# EQUIV: the training-equivalence workload; the comment in test_distributed.py says why it is built so.
+EQUIV = ["--dummy", "--dummy-samples", 96, "-b", 32, "--epochs", 1, "--norm", "group", "--lr", 0.1,
+         "--warmup-epochs", 0.5] + FAST
+
+
+@pytest.fixture(scope="session")
+def single_process_weights(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    run(["--output-dir", out] + EQUIV).check()
+    return load_state(out / "checkpoint.pth")["state_dict"]
+
+
+class RunsCode:
+    """Unpickling this would create a file: a checkpoint must never execute it."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tiny_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt")
+    run(["--data", tiny_data, "-b", 32, "--epochs", 1, "--output-dir", out] + FAST).check()
+    return out / "checkpoint.pth"
+
+
+def bad_inputs(tiny_data, checkpoint, tmp):
+    """{case: (arguments, launcher, expected message fragment)}, building the broken inputs in tmp."""
+    empty = tmp / "empty"
+    (empty / "train").mkdir(parents=True)
+    (empty / "val").mkdir()
+    missing_class = shutil.copytree(tiny_data, tmp / "missing_class")
+    shutil.rmtree(missing_class / "val" / "3")
+    empty_class = shutil.copytree(tiny_data, tmp / "empty_class")
+    for image in (empty_class / "train" / "5").iterdir():
+        image.unlink()
+    truncated = tmp / "truncated.pth"
+    truncated.write_bytes(checkpoint.read_bytes()[:5000])
+    malicious = tmp / "malicious.pth"
+    torch.save({"state_dict": RunsCode(str(tmp / "code-ran"))}, malicious)
+    not_a_dir = tmp / "not-a-dir"
+    not_a_dir.write_text("a file, not a directory")
+    data = ["--data", tiny_data, "-b", 32]
+    return {
+        "missing data dir": (["--data", tmp / "nope"], "python", "is not a directory"),
+        "no data at all": ([], "python", "no dataset: pass --data"),
+        "empty data dir": (["--data", empty], "python", "bad dataset"),
+        "val class missing": (["--data", missing_class], "python", "val classes differ from train classes"),
+        "empty class folder": (["--data", empty_class], "python", "bad dataset"),
+        "unknown arch": (data + ["-a", "resnet19"], "python", "unknown --arch 'resnet19': did you mean resnet18"),
+        "batch below world size": (["--data", tiny_data, "-b", 1], "torchrun", "must be a multiple of world size 2"),
+        "sync-bn on cpu": (data + ["--sync-bn"], "python", "--sync-bn needs CUDA"),
+        "other arch checkpoint": (data + ["-a", "resnet34", "-e", "--resume", checkpoint], "python",
+                                  "is for arch 'resnet18', not 'resnet34'"),
+        "truncated checkpoint": (data + ["-e", "--resume", truncated], "python", "cannot load checkpoint"),
+        "code in checkpoint": (data + ["-e", "--resume", malicious], "python", "cannot load checkpoint"),
+        "no such checkpoint": (data + ["--resume", tmp / "none.pth"], "python", "no checkpoint at"),
+        "unwritable output dir": (data + ["--output-dir", not_a_dir / "sub"], "python", "cannot write checkpoints"),
+        "train set below one batch": (["--data", tiny_data, "-b", 128], "python", "smaller than one global batch"),
+    }

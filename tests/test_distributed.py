@@ -1,6 +1,5 @@
 """distributed.py under real launchers: launch, distributed math, exact eval, resume, bad input."""
 import os
-import shutil
 import sys
 
 import pytest
@@ -8,7 +7,7 @@ import torch
 import torch.nn as nn
 import torchvision
 
-from conftest import FAST, REPO, load_state, make_data, max_abs_diff, run
+from conftest import EQUIV, FAST, REPO, bad_inputs, load_state, make_data, max_abs_diff, run
 
 sys.path.insert(0, str(REPO))
 import distributed  # noqa: E402  (the script itself, for its pure helpers)
@@ -52,17 +51,6 @@ def test_dummy_data_runs(tmp_path):
 # images have no ties, so the only difference left is DDP's gradient averaging under test (measured:
 # max |dw| <= 1.2e-7 for weights that moved 1e-2). test_same_global_batches_at_any_world_size
 # covers the real image pipeline.
-
-EQUIV = ["--dummy", "--dummy-samples", 96, "-b", 32, "--epochs", 1, "--norm", "group", "--lr", 0.1,
-         "--warmup-epochs", 0.5] + FAST
-
-
-@pytest.fixture(scope="module")
-def single_process_weights(tmp_path_factory):
-    out = tmp_path_factory.mktemp("single")
-    run(["--output-dir", out] + EQUIV).check()
-    return load_state(out / "checkpoint.pth")["state_dict"]
-
 
 def test_single_process_reference_trained(single_process_weights):
     """Guards the two tests below: the reference moved well away from its initial weights."""
@@ -173,59 +161,6 @@ def test_demo_run_learns(tmp_path):
 
 
 # ---- bad input: one clear line, non-zero exit, no traceback ----
-
-class RunsCode:
-    """Unpickling this would create a file: a checkpoint must never execute it."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tiny_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ckpt")
-    run(["--data", tiny_data, "-b", 32, "--epochs", 1, "--output-dir", out] + FAST).check()
-    return out / "checkpoint.pth"
-
-
-def bad_inputs(tiny_data, checkpoint, tmp):
-    """{case: (arguments, launcher, expected message fragment)}, building the broken inputs in tmp."""
-    empty = tmp / "empty"
-    (empty / "train").mkdir(parents=True)
-    (empty / "val").mkdir()
-    missing_class = shutil.copytree(tiny_data, tmp / "missing_class")
-    shutil.rmtree(missing_class / "val" / "3")
-    empty_class = shutil.copytree(tiny_data, tmp / "empty_class")
-    for image in (empty_class / "train" / "5").iterdir():
-        image.unlink()
-    truncated = tmp / "truncated.pth"
-    truncated.write_bytes(checkpoint.read_bytes()[:5000])
-    malicious = tmp / "malicious.pth"
-    torch.save({"state_dict": RunsCode(str(tmp / "code-ran"))}, malicious)
-    not_a_dir = tmp / "not-a-dir"
-    not_a_dir.write_text("a file, not a directory")
-    data = ["--data", tiny_data, "-b", 32]
-    return {
-        "missing data dir": (["--data", tmp / "nope"], "python", "is not a directory"),
-        "no data at all": ([], "python", "no dataset: pass --data"),
-        "empty data dir": (["--data", empty], "python", "bad dataset"),
-        "val class missing": (["--data", missing_class], "python", "val classes differ from train classes"),
-        "empty class folder": (["--data", empty_class], "python", "bad dataset"),
-        "unknown arch": (data + ["-a", "resnet19"], "python", "unknown --arch 'resnet19': did you mean resnet18"),
-        "batch below world size": (["--data", tiny_data, "-b", 1], "torchrun", "must be a multiple of world size 2"),
-        "sync-bn on cpu": (data + ["--sync-bn"], "python", "--sync-bn needs CUDA"),
-        "other arch checkpoint": (data + ["-a", "resnet34", "-e", "--resume", checkpoint], "python",
-                                  "is for arch 'resnet18', not 'resnet34'"),
-        "truncated checkpoint": (data + ["-e", "--resume", truncated], "python", "cannot load checkpoint"),
-        "code in checkpoint": (data + ["-e", "--resume", malicious], "python", "cannot load checkpoint"),
-        "no such checkpoint": (data + ["--resume", tmp / "none.pth"], "python", "no checkpoint at"),
-        "unwritable output dir": (data + ["--output-dir", not_a_dir / "sub"], "python", "cannot write checkpoints"),
-        "train set below one batch": (["--data", tiny_data, "-b", 128], "python", "smaller than one global batch"),
-    }
-
 
 BAD = ["missing data dir", "no data at all", "empty data dir", "val class missing", "empty class folder",
        "unknown arch", "batch below world size", "sync-bn on cpu", "other arch checkpoint",

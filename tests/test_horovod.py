@@ -11,9 +11,8 @@ import pytest
 import torch
 import torchvision
 
-from conftest import FAST, PYTHON, REPO, load_state, max_abs_diff, run
+from conftest import EQUIV, FAST, PYTHON, REPO, load_state, max_abs_diff, run
 # The DDP reference: the same flags, and distributed.py's single-process weights after one epoch.
-from test_distributed import EQUIV, single_process_weights  # noqa: F401  (a pytest fixture)
 
 SCRIPT = "horovod_distributed.py"
 # A step schedule that changes the lr at the epoch boundary, so a resume must restore it exactly;

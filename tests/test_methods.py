@@ -11,8 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import FAST, REPO, free_port, launch_command, load_state, max_abs_diff, run
-from test_distributed import EQUIV, bad_inputs, checkpoint, single_process_weights  # noqa: F401 (fixtures)
+from conftest import EQUIV, FAST, REPO, bad_inputs, free_port, launch_command, load_state, max_abs_diff, run
 
 sys.path.insert(0, str(REPO))
 import distributed  # noqa: E402  (the reference's pure helpers)

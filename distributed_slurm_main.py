@@ -1,0 +1,681 @@
+#!/usr/bin/env python
+"""ImageNet training with DistributedDataParallel (DDP), launched by Slurm.
+
+distributed.py plus the lines Slurm needs. Two ways to start it, inside sbatch or from a login node:
+
+    # One Slurm task per GPU: Slurm starts every process and numbers them.
+    srun --nodes=2 --ntasks-per-node=4 --gpus-per-node=4 python distributed_slurm_main.py --data /path/to/imagenet
+    # One Slurm task per node, which spawns one process per GPU.
+    srun --nodes=2 --ntasks-per-node=1 --gpus-per-node=4 python distributed_slurm_main.py \\
+        --nprocs-per-node=4 --data /path/to/imagenet
+
+Rank, world size and local rank come from SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID (first way),
+or are SLURM_PROCID x N + spawned index, SLURM_NNODES x N and the spawned index (second way, N =
+--nprocs-per-node). Rank 0's node (the step's first) hosts the rendezvous, on a port derived from
+the job id. scripts/slurm_train.sbatch submits it. CUDA + NCCL when GPUs are visible, else CPU + gloo.
+"""
+import argparse
+import contextlib
+import difflib
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.data
+import torchvision.datasets as datasets
+import torchvision.models as models
+import torchvision.transforms as transforms
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+METHOD = "ddp-slurm"
+RANK = int(os.environ.get("SLURM_PROCID", 0))  # global rank: Slurm's task id (spawned processes reset it)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description="PyTorch ImageNet training with DistributedDataParallel",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--data", metavar="DIR", help="dataset root holding train/ and val/ in ImageFolder layout")
+    parser.add_argument("--dummy", action="store_true", help="train on synthetic images (benchmarking; no --data)")
+    parser.add_argument("--dummy-samples", type=int, default=10000,
+                        help="synthetic train images per epoch with --dummy (val gets a tenth)")
+    parser.add_argument("-a", "--arch", default="resnet18", help="torchvision classification model")
+    parser.add_argument("--norm", choices=["batch", "group"], default="batch",
+                        help="BatchNorm, or GroupNorm(32) for ResNets (per-sample, so independent of the per-rank batch)")
+    parser.add_argument("--image-size", type=int, default=224,
+                        help="train crop size; val resizes to size*256/224 and centre-crops size")
+    parser.add_argument("--min-crop-scale", type=float, default=0.08,
+                        help="smallest image area fraction RandomResizedCrop keeps (0.08 is the ImageNet "
+                             "standard; tiny images such as the demo digits learn faster with ~0.35)")
+    parser.add_argument("-j", "--workers", type=int, default=4, help="data loading workers per process")
+    parser.add_argument("--epochs", type=int, default=90, help="total epochs to run")
+    parser.add_argument("--start-epoch", type=int, default=0, help="manual epoch number (useful on restarts)")
+    parser.add_argument("-b", "--batch-size", type=int, default=256,
+                        help="GLOBAL batch size per optimizer step, split evenly over all processes "
+                             "(and over --grad-accum-steps micro-batches)")
+    parser.add_argument("--val-batch-size", type=int, default=64,
+                        help="evaluation batch per process; the same at every world size, so the val numbers are too")
+    parser.add_argument("--grad-accum-steps", type=int, default=1,
+                        help="micro-batches per optimizer step; DDP all-reduces only on the last one")
+    parser.add_argument("--lr", "--learning-rate", type=float, default=0.1,
+                        help="learning rate for a global batch of 256 images; linear scaling rule "
+                             "(Goyal et al. 2017): the lr used is lr * batch-size / 256")
+    parser.add_argument("--warmup-epochs", type=float, default=0.0,
+                        help="ramp the lr linearly from ~0 to its value over this many epochs, per step")
+    parser.add_argument("--lr-step-size", type=int, default=30, help="multiply the lr by --lr-gamma every N epochs")
+    parser.add_argument("--lr-gamma", type=float, default=0.1, help="lr decay factor of the step schedule")
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    parser.add_argument("--wd", "--weight-decay", type=float, default=1e-4, dest="weight_decay", help="weight decay")
+    parser.add_argument("-p", "--print-freq", type=int, default=10,
+                        help="print progress (and reduce metrics over ranks) every N optimizer steps")
+    parser.add_argument("--output-dir", default="checkpoints", help="where rank 0 writes checkpoints")
+    parser.add_argument("--resume", default="", metavar="PATH",
+                        help="checkpoint to resume from, or 'auto' for the latest in --output-dir (fresh start if none)")
+    parser.add_argument("-e", "--evaluate", action="store_true", help="evaluate the model on val and exit")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed everything and use deterministic algorithms (bitwise-reproducible on CPU)")
+    parser.add_argument("--cpu", action="store_true", help="use the CPU and gloo even if GPUs are visible")
+    parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
+    parser.add_argument("--dist-timeout", type=float, default=1800,
+                        help="seconds a collective waits for the other ranks before failing")
+    parser.add_argument("--nprocs-per-node", type=int, default=1,
+                        help="processes each Slurm task spawns, one per GPU: for one task per node "
+                             "(srun --ntasks-per-node=1); 1 = Slurm starts every process itself")
+    parser.add_argument("--dist-file", metavar="PATH",
+                        help="rendezvous through a file on a filesystem all nodes share instead of TCP to "
+                             "the first node; job id, step and requeue count are appended to PATH")
+    return parser.parse_args(argv)
+
+
+# ---- shared helpers: byte-identical in every script of the cookbook (tests/test_consistency.py) ----
+
+class UsageError(Exception):
+    """A problem with the user's input: reported as one line, without a traceback."""
+
+
+def log(*args, **kwargs):
+    """Print on global rank 0 only, so N processes do not print N copies."""
+    if RANK == 0:
+        print(*args, **kwargs, flush=True)
+
+
+class AverageMeter:
+    """Running sum and count kept as a tensor on the training device.
+
+    update() only queues device work; nothing waits for the GPU until the sums are reduced over
+    ranks (once per print interval and once per epoch), so logging costs no per-step sync.
+    """
+
+    def __init__(self, device, names=("loss", "acc1", "acc5")):
+        self.names = names
+        # float64 keeps sums of many float32 values exact enough that world size does not show.
+        self.sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=device)
+
+    def update(self, loss_sum, correct1, correct5, count):
+        self.sums[:-1] += torch.stack([loss_sum.double(), correct1.double(), correct5.double()])
+        self.sums[-1] += count  # a Python number: a kernel argument, not a host-to-device copy
+
+    def reduced(self):
+        """Sums over all ranks, as a dict of averages (acc in %) plus the global sample count."""
+        sums = self.sums.clone()
+        all_reduce_sum(sums)
+        values = sums.tolist()
+        count = values[-1]
+        result = {"count": int(count)}
+        for name, value in zip(self.names, values):
+            result[name] = value / max(count, 1) * (1 if name == "loss" else 100)
+        return result
+
+
+class ProgressMeter:
+    def __init__(self, num_batches, prefix=""):
+        width = len(str(num_batches))
+        self.fmt = "[{:" + str(width) + "d}/" + str(num_batches) + "]"
+        self.prefix = prefix
+
+    def display(self, batch, metrics, step_time, data_time):
+        log(f"{self.prefix}{self.fmt.format(batch)}  Time {step_time:6.3f}  Data {data_time:6.3f}  "
+            f"Loss {metrics['loss']:.4e}  Acc@1 {metrics['acc1']:6.2f}  Acc@5 {metrics['acc5']:6.2f}")
+
+
+def correct_counts(output, target, topk=(1, 5)):
+    """Number of samples whose target is among the top-k predictions, for each k (as tensors)."""
+    maxk = min(max(topk), output.size(1))
+    pred = output.topk(maxk, dim=1).indices
+    hits = pred.eq(target.view(-1, 1))
+    return [hits[:, :min(k, maxk)].any(dim=1).sum() for k in topk]
+
+
+class ShardSampler(torch.utils.data.Sampler):
+    """Evaluation batch sampler: the val set is cut into batches of batch_size, and rank r takes
+    batches r, r+W, r+2W, ... with NO padding.
+
+    DistributedSampler pads the dataset with duplicates so every rank gets the same count, which
+    would count some val images twice. Unequal per-rank counts are fine here because evaluation
+    synchronises only once, after the loop. Cutting the batches before dealing them out puts every
+    image in the same batch at any world size; kernels may round differently for another batch
+    size, so this is what makes the per-image results, and the totals, bitwise identical.
+    """
+
+    def __init__(self, dataset, num_replicas, rank, batch_size):
+        starts = range(rank * batch_size, len(dataset), num_replicas * batch_size)
+        self.batches = [list(range(start, min(start + batch_size, len(dataset)))) for start in starts]
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self):
+        return len(self.batches)
+
+
+class SampleSeeded(torch.utils.data.Dataset):
+    """Gives every sample's random augmentation its own seed, derived from (seed, epoch, index).
+
+    An image then gets the same crop and flip whatever the world size, worker count or restart,
+    so N processes see exactly the batches one process would, and a resumed run continues exactly.
+    """
+
+    def __init__(self, dataset, seed):
+        self.dataset, self.seed, self.epoch = dataset, seed, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        with torch.random.fork_rng(devices=[]):
+            # Only the CPU generator, which the transforms draw from: torch.manual_seed would also
+            # seed every CUDA device, 50x slower per image.
+            torch.random.default_generator.manual_seed(
+                ((self.seed * 1_000_003 + self.epoch) * 1_000_000_007 + index) % 2**63)
+            return self.dataset[index]
+
+
+class DummyImages(torch.utils.data.Dataset):
+    """Synthetic images for benchmarking: a bank of 64 random images, so memory stays bounded."""
+
+    def __init__(self, count, image_size, num_classes):
+        generator = torch.Generator().manual_seed(count)
+        self.bank = torch.randn(64, 3, image_size, image_size, generator=generator)
+        self.count, self.num_classes = count, num_classes
+
+    def __len__(self):
+        return self.count
+
+    def __getitem__(self, index):
+        return self.bank[index % len(self.bank)], index % self.num_classes
+
+
+def build_datasets(args):
+    """Train and val datasets plus the class count; bad data directories raise UsageError."""
+    if args.dummy:
+        num_classes = 1000
+        return (DummyImages(args.dummy_samples, args.image_size, num_classes),
+                DummyImages(max(1, args.dummy_samples // 10), args.image_size, num_classes), num_classes)
+    if not args.data:
+        raise UsageError("no dataset: pass --data DIR (with DIR/train and DIR/val) or --dummy")
+    for split in ("train", "val"):
+        path = os.path.join(args.data, split)
+        if not os.path.isdir(path):
+            raise UsageError(f"{path} is not a directory: --data must hold train/ and val/ in ImageFolder "
+                             "layout (python tools/make_demo_data.py writes a demo set)")
+    normalize = transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
+    train_tf = transforms.Compose([transforms.RandomResizedCrop(args.image_size, scale=(args.min_crop_scale, 1.0)),
+                                   transforms.RandomHorizontalFlip(), transforms.ToTensor(), normalize])
+    val_tf = transforms.Compose([transforms.Resize(args.image_size * 256 // 224), transforms.CenterCrop(args.image_size),
+                                 transforms.ToTensor(), normalize])
+    try:
+        train = datasets.ImageFolder(os.path.join(args.data, "train"), train_tf)
+        val = datasets.ImageFolder(os.path.join(args.data, "val"), val_tf)
+    except FileNotFoundError as e:  # no class folders, or a class folder without images
+        raise UsageError(f"bad dataset in {args.data}: {e}") from None
+    if val.classes != train.classes:
+        missing = sorted(set(train.classes) ^ set(val.classes))
+        raise UsageError(f"val classes differ from train classes in {args.data} (e.g. {missing[:5]}): "
+                         "both must hold the same class folders")
+    return train, val, len(train.classes)
+
+
+def build_model(args, num_classes):
+    known = models.list_models(module=models)
+    if args.arch not in known:
+        close = difflib.get_close_matches(args.arch, known, n=3)
+        hint = f"did you mean {', '.join(close)}?" if close else "see torchvision.models.list_models()"
+        raise UsageError(f"unknown --arch '{args.arch}': {hint}")
+    kwargs = {"num_classes": num_classes}
+    if args.norm == "group":
+        if not args.arch.startswith(("resnet", "resnext", "wide_resnet")):
+            raise UsageError(f"--norm group needs a ResNet-family --arch, not '{args.arch}'")
+        kwargs["norm_layer"] = lambda channels: nn.GroupNorm(32, channels)
+    return models.get_model(args.arch, **kwargs)
+
+
+def lr_schedule(args, steps_per_epoch):
+    """Factor on the base lr at optimizer step s: linear warmup, then pytorch/examples' step decay."""
+    warmup_steps = args.warmup_epochs * steps_per_epoch
+
+    def factor(step):
+        warmup = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+        return warmup * args.lr_gamma ** ((step // steps_per_epoch) // args.lr_step_size)
+    return factor
+
+
+def rng_state():
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state):
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(state, is_best, output_dir):
+    """Write checkpoint.pth atomically (temp file in the same directory, fsync, os.replace): a crash
+    mid-write leaves the previous checkpoint intact, never a truncated one."""
+    path = os.path.join(output_dir, "checkpoint.pth")
+    fd, tmp = tempfile.mkstemp(dir=output_dir, prefix=".checkpoint.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if is_best:
+            fd, tmp = tempfile.mkstemp(dir=output_dir, prefix=".model_best.", suffix=".tmp")
+            os.close(fd)
+            shutil.copyfile(path, tmp)
+            os.replace(tmp, os.path.join(output_dir, "model_best.pth"))
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def load_checkpoint(path, device, arch):
+    """Load a checkpoint written by save_checkpoint; weights_only=True never runs pickled code."""
+    if not os.path.isfile(path):
+        raise UsageError(f"no checkpoint at '{path}': pass an existing file to --resume (or --resume auto)")
+    try:
+        checkpoint = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"cannot load checkpoint '{path}' (truncated, corrupt or not a plain-tensor "
+                         f"checkpoint): {reason}") from None
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise UsageError(f"'{path}' is not a checkpoint written by this cookbook (no state_dict)")
+    if checkpoint.get("arch") != arch:
+        raise UsageError(f"checkpoint '{path}' is for arch '{checkpoint.get('arch')}', not '{arch}': "
+                         f"pass -a {checkpoint.get('arch')} or another checkpoint")
+    return checkpoint
+
+
+def state_digest(module):
+    """SHA-256 of every parameter and buffer: equal digests mean bitwise-identical models."""
+    digest = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def summary(kind, **fields):
+    """One machine-readable JSON line (rank 0), for statistics.sh and the tests."""
+    log(f"{kind} " + json.dumps(fields, sort_keys=False))
+
+# ---- end of shared helpers ----
+
+
+# ---- communication: the lines each method does its own way ----
+
+def all_reduce_sum(tensor):
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_gather_objects(obj):
+    if dist.is_available() and dist.is_initialized():
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, obj)
+        return gathered
+    return [obj]
+
+
+def broadcast_buffers(module):
+    """Copy rank 0's BatchNorm running statistics to every rank.
+
+    DDP averages gradients, so parameters stay identical, but each rank updates its running
+    statistics from its own batch. Evaluating or saving with rank 0's buffers everywhere makes the
+    distributed evaluation equal to a single-process evaluation of the saved checkpoint.
+    """
+    if dist.is_available() and dist.is_initialized():
+        for buffer in module.buffers():
+            dist.broadcast(buffer, src=0)
+
+
+def first_host(nodelist):
+    """First host of a Slurm hostlist, as `scontrol show hostnames` prints it: 'gpu[08-10,12],cpu1' -> 'gpu08'."""
+    first = re.match(r"(?:[^,\[]|\[[^\]]*\])+", nodelist).group()
+    return re.sub(r"\[([^,\-\]]+)[^\]]*\]", r"\1", first)
+
+
+def slurm_environment(args, spawned_index):
+    """Set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, which init_process_group reads,
+    from Slurm's description of this task; spawned_index is None unless --nprocs-per-node spawned us."""
+    global RANK
+    env = os.environ
+    if "SLURM_JOB_ID" in env and "SLURM_STEP_ID" not in env:
+        raise UsageError("started by the batch script itself, which Slurm counts as one task whatever the job "
+                         "size: launch it with srun (srun python distributed_slurm_main.py ...)")
+    if args.nprocs_per_node < 1:
+        raise UsageError(f"--nprocs-per-node must be at least 1, got {args.nprocs_per_node}")
+    nodes, tasks = int(env.get("SLURM_NNODES", 1)), int(env.get("SLURM_NTASKS", 1))
+    if spawned_index is None:
+        # One task per process: Slurm numbers them. With --gpus-per-task (or --gpu-bind) a task sees
+        # only its own GPUs, numbered from 0, hence the modulo.
+        RANK, world_size = int(env.get("SLURM_PROCID", 0)), tasks
+        local_rank = int(env.get("SLURM_LOCALID", 0)) % max(1, torch.cuda.device_count())
+    else:
+        # One task per node spawning the processes: Slurm numbers and counts only the node tasks, so
+        # the world is nodes x processes per node, not SLURM_NTASKS (or SLURM_NPROCS).
+        RANK = int(env.get("SLURM_PROCID", 0)) * args.nprocs_per_node + spawned_index
+        world_size, local_rank = nodes * args.nprocs_per_node, spawned_index
+        if tasks != nodes:
+            raise UsageError(f"--nprocs-per-node spawns processes per Slurm task, but this step runs {tasks} tasks "
+                             f"on {nodes} node(s): use one task per node (srun --ntasks-per-node=1 -n {nodes})")
+    env.update(RANK=str(RANK), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
+    # Rank 0 runs on the step's first node (the step may use only part of the job's nodes).
+    env.setdefault("MASTER_ADDR", first_host(env.get("SLURM_STEP_NODELIST", "127.0.0.1")))
+    # Every task derives the same port without talking to the others; jobs sharing a node get different ones.
+    env.setdefault("MASTER_PORT", str(10000 + int(env.get("SLURM_JOB_ID", 0)) % 20000))
+
+
+def setup_distributed(args):
+    """Check the launch, pick the device and join the process group: (rank, world, local rank, device).
+
+    Every input check runs before the rendezvous, so a bad flag fails all ranks alike and at once.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    use_cuda = torch.cuda.is_available() and not args.cpu
+    if use_cuda and local_rank >= torch.cuda.device_count():
+        raise UsageError(f"local rank {local_rank} has no GPU: this task sees {torch.cuda.device_count()}; "
+                         "lower --nprocs-per-node or request more GPUs per node")
+    if args.sync_bn and not use_cuda:
+        raise UsageError("--sync-bn needs CUDA: SyncBatchNorm works only with CUDA modules (drop --sync-bn on CPU)")
+    if not args.evaluate and (args.batch_size < world_size * args.grad_accum_steps
+                              or args.batch_size % (world_size * args.grad_accum_steps)):
+        raise UsageError(f"global batch -b {args.batch_size} must be a multiple of world size {world_size} "
+                         f"x --grad-accum-steps {args.grad_accum_steps}")
+    if RANK == 0 and not args.evaluate:
+        try:
+            os.makedirs(args.output_dir, exist_ok=True)
+            tempfile.TemporaryFile(dir=args.output_dir).close()
+        except OSError as e:
+            raise UsageError(f"cannot write checkpoints to --output-dir '{args.output_dir}': {e.strerror}") from None
+    if use_cuda:
+        # Pick this process's GPU before any CUDA work, so nothing is allocated on GPU 0 by accident.
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1:
+        backend = "nccl" if use_cuda else "gloo"
+        # --dist-file: a file per job, step and requeue, because a killed run leaves its file
+        # behind and a new run that reads it may connect to dead peers.
+        run_id = ".".join(os.environ.get(k, "0") for k in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT"))
+        init_method = f"file://{os.path.abspath(args.dist_file)}.{run_id}" if args.dist_file else "env://"
+        try:
+            dist.init_process_group(backend, init_method=init_method, rank=RANK, world_size=world_size,
+                                    timeout=timedelta(seconds=args.dist_timeout), device_id=device if use_cuda else None)
+        except dist.DistNetworkError as e:
+            raise UsageError(f"cannot join the process group at {os.environ.get('MASTER_ADDR')}:"
+                             f"{os.environ.get('MASTER_PORT')} ({str(e).splitlines()[0]}): if the port is "
+                             "in use set MASTER_PORT to a free one (default 10000 + job id % 20000)") from None
+    return RANK, world_size, local_rank, device
+
+
+def launcher_name(args):
+    if "SLURM_STEP_ID" not in os.environ:
+        return "none"
+    return "srun+mp.spawn" if args.nprocs_per_node > 1 else "srun"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.nprocs_per_node <= 1:
+        return worker(None, args)
+    try:
+        # One task per node: start its processes. A fresh interpreter per process ("spawn", not
+        # fork): CUDA cannot be re-initialised in a forked child.
+        processes = mp.spawn(worker, args=(args,), nprocs=args.nprocs_per_node, join=False)
+        # A bad flag fails every process alike: the grace period lets rank 0 print its error line
+        # before the others are stopped.
+        while not processes.join(grace_period=10):
+            pass
+    except mp.ProcessExitedException as e:
+        # A failed process has printed its own error line; one killed by a signal has not.
+        sys.exit(e.exit_code if e.exit_code > 0 else f"error: {e}")
+
+
+def worker(spawned_index, args):
+    """One process of the job: its rank and rendezvous from Slurm, then train."""
+    try:
+        slurm_environment(args, spawned_index)
+        main_worker(args)
+    except UsageError as e:
+        if RANK == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def main_worker(args):
+    if args.seed is not None:
+        # Deterministic kernels; cuBLAS needs this workspace setting before it starts.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        random.seed(args.seed)
+        torch.manual_seed(args.seed)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    else:
+        torch.backends.cudnn.benchmark = True
+    train_set, val_set, num_classes = build_datasets(args)
+    model = build_model(args, num_classes)
+    rank, world_size, local_rank, device = setup_distributed(args)
+    if args.sync_bn:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model.to(device)
+    if world_size > 1:
+        # DDP broadcasts rank 0's initial weights, then all-reduces (averages) gradients in backward.
+        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    module = model.module if isinstance(model, DDP) else model
+    log(f"=> {METHOD}: world size {world_size}, device {device.type}, arch {args.arch}, "
+        f"global batch {args.batch_size} ({args.batch_size // world_size // args.grad_accum_steps} per process "
+        f"x {args.grad_accum_steps} micro-batches), launcher {launcher_name(args)}")
+
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    train_set = SampleSeeded(train_set, seed)
+    # DistributedSampler gives each rank a disjoint 1/W of a permutation that depends only on
+    # (seed, epoch), so rank r's micro-batches of one step together form the same global batch a
+    # single process would take. drop_last: drop the tail instead of padding it with duplicates.
+    train_sampler = torch.utils.data.distributed.DistributedSampler(
+        train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    micro_batch = max(1, args.batch_size // world_size // args.grad_accum_steps)  # -e skips the -b checks
+    loader_kwargs = {"num_workers": args.workers, "pin_memory": device.type == "cuda"}
+    train_loader = torch.utils.data.DataLoader(
+        train_set, batch_size=micro_batch, sampler=train_sampler, drop_last=True,
+        generator=torch.Generator().manual_seed(seed + rank), **loader_kwargs)
+    val_loader = torch.utils.data.DataLoader(
+        val_set, batch_sampler=ShardSampler(val_set, world_size, rank, args.val_batch_size), **loader_kwargs)
+    steps_per_epoch = len(train_loader) // args.grad_accum_steps
+    if steps_per_epoch == 0 and not args.evaluate:
+        raise UsageError(f"the train set ({len(train_set)} images) is smaller than one global batch "
+                         f"(-b {args.batch_size}): lower -b")
+
+    criterion = nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), args.lr * args.batch_size / 256,
+                                momentum=args.momentum, weight_decay=args.weight_decay)
+    for group in optimizer.param_groups:
+        group["initial_lr"] = group["lr"]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(args, max(1, steps_per_epoch)),
+                                                  last_epoch=args.start_epoch * steps_per_epoch - 1)
+
+    best_acc1 = 0.0
+    resume = args.resume
+    if resume == "auto":
+        resume = os.path.join(args.output_dir, "checkpoint.pth")
+        if not os.path.isfile(resume):
+            log(f"=> --resume auto: no checkpoint in '{args.output_dir}', starting fresh")
+            resume = ""
+    if resume:
+        checkpoint = load_checkpoint(resume, device, args.arch)
+        try:
+            module.load_state_dict(checkpoint["state_dict"])
+        except RuntimeError as e:
+            raise UsageError(f"checkpoint '{resume}' does not fit this model ({str(e).splitlines()[0]}): "
+                             "check -a and the number of classes") from None
+        args.start_epoch = checkpoint["epoch"]
+        best_acc1 = checkpoint["best_acc1"]
+        if not args.evaluate:
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            scheduler.load_state_dict(checkpoint["scheduler"])
+            if len(checkpoint["rng"]) == world_size:
+                set_rng_state(checkpoint["rng"][rank])
+                train_loader.generator.set_state(checkpoint["rng"][rank]["loader"])
+            else:
+                log(f"=> checkpoint has RNG state for {len(checkpoint['rng'])} ranks, not {world_size}: "
+                    "data order stays exact, other random state is reseeded")
+        log(f"=> loaded checkpoint '{resume}' (next epoch {checkpoint['epoch']})")
+
+    if args.evaluate:
+        val = validate(val_loader, model, device)
+        summary("SUMMARY", method=METHOD, launcher=launcher_name(args), world_size=world_size,
+                device=device.type, epoch=args.start_epoch - 1, **{f"val_{k}": v for k, v in val.items()})
+        return finish(model)
+
+    for epoch in range(args.start_epoch, args.epochs):
+        # set_epoch reshuffles: without it every epoch would visit the data in the same order.
+        train_sampler.set_epoch(epoch)
+        train_set.set_epoch(epoch)
+        start = time.perf_counter()
+        train_metrics, train_time, data_wait = train(train_loader, model, criterion, optimizer, scheduler,
+                                                     epoch, steps_per_epoch, device, args)
+        val = validate(val_loader, model, device)
+        epoch_time = time.perf_counter() - start
+
+        is_best = val["acc1"] > best_acc1
+        best_acc1 = max(val["acc1"], best_acc1)
+        rng = rng_state()
+        rng["loader"] = train_loader.generator.get_state()
+        rngs = all_gather_objects(rng)  # collective: every rank's RNG goes into rank 0's checkpoint
+        if rank == 0:
+            save_checkpoint({"epoch": epoch + 1, "arch": args.arch, "state_dict": module.state_dict(),
+                             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                             "best_acc1": best_acc1, "world_size": world_size, "rng": rngs,
+                             "args": vars(args)}, is_best, args.output_dir)
+        summary("SUMMARY", method=METHOD, launcher=launcher_name(args), world_size=world_size,
+                device=device.type, epoch=epoch, train_loss=train_metrics["loss"], train_acc1=train_metrics["acc1"],
+                val_loss=val["loss"], val_acc1=val["acc1"], val_acc5=val["acc5"], val_count=val["count"],
+                epoch_time=round(epoch_time, 3), images_per_sec=round(train_metrics["count"] / train_time, 1),
+                data_wait=round(data_wait / train_time, 4), lr=optimizer.param_groups[0]["lr"])
+    finish(model, best_acc1=best_acc1)
+
+
+def train(loader, model, criterion, optimizer, scheduler, epoch, steps, device, args):
+    """One epoch. Returns (globally reduced metrics, seconds, seconds spent waiting for data)."""
+    model.train()
+    meter = AverageMeter(device)
+    progress = ProgressMeter(steps, prefix=f"Epoch: [{epoch}]")
+    accum = args.grad_accum_steps
+    batches = iter(loader)
+    data_wait = interval_wait = 0.0
+    start = interval_start = time.perf_counter()
+    for step in range(steps):
+        for micro in range(accum):
+            t0 = time.perf_counter()
+            images, target = next(batches)
+            waited = time.perf_counter() - t0
+            data_wait += waited
+            interval_wait += waited
+            images = images.to(device, non_blocking=True)
+            target = target.to(device, non_blocking=True)
+            # no_sync: accumulate gradients locally on all but the last micro-batch, so DDP
+            # all-reduces once per optimizer step instead of once per micro-batch.
+            skip_sync = micro < accum - 1 and isinstance(model, DDP)
+            with model.no_sync() if skip_sync else contextlib.nullcontext():
+                output = model(images)
+                loss = criterion(output, target)
+                # Dividing by the micro-batch count makes the accumulated gradient the mean over the
+                # whole global batch, as if it had been one batch.
+                (loss / accum).backward()
+            correct1, correct5 = correct_counts(output.detach(), target)
+            meter.update(loss.detach() * target.size(0), correct1, correct5, target.size(0))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        if (step + 1) % args.print_freq == 0 or step + 1 == steps:
+            metrics = meter.reduced()  # the only host sync: once per print interval
+            now = time.perf_counter()
+            done = (step % args.print_freq) + 1
+            progress.display(step + 1, metrics, (now - interval_start) / done, interval_wait / done)
+            interval_start, interval_wait = now, 0.0
+    return meter.reduced(), time.perf_counter() - start, data_wait
+
+
+def validate(loader, model, device):
+    """Exact evaluation: every val image counted once; (sum, count) reduced over ranks, not means."""
+    module = model.module if isinstance(model, DDP) else model
+    # Evaluate the bare module: ranks may hold different numbers of images, and the DDP wrapper
+    # could start collectives that the other ranks never join.
+    broadcast_buffers(module)
+    module.eval()
+    meter = AverageMeter(device)
+    with torch.no_grad():
+        for images, target in loader:
+            images = images.to(device, non_blocking=True)
+            target = target.to(device, non_blocking=True)
+            output = module(images)
+            correct1, correct5 = correct_counts(output, target)
+            meter.update(F.cross_entropy(output, target, reduction="none").double().sum(), correct1, correct5,
+                         target.size(0))
+    metrics = meter.reduced()
+    log(f" * Acc@1 {metrics['acc1']:.3f} Acc@5 {metrics['acc5']:.3f} Loss {metrics['loss']:.4f} "
+        f"({metrics['count']} images)")
+    return metrics
+
+
+def finish(model, best_acc1=None):
+    """Report the final model's digest on every rank, then leave the process group cleanly."""
+    module = model.module if isinstance(model, DDP) else model
+    digests = all_gather_objects(state_digest(module))
+    fields = {"method": METHOD, "state_sha256": digests, "ranks_identical": len(set(digests)) == 1}
+    if best_acc1 is not None:
+        fields["best_acc1"] = best_acc1
+    summary("DONE", **fields)
+    if dist.is_available() and dist.is_initialized():
+        # A barrier before teardown: a rank that exits while a peer is still in a collective can
+        # make the peer abort at interpreter exit.
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""distributed_slurm_main.py on a real Slurm cluster: two slurmd nodes on this machine, started by
+scripts/slurm_cluster.sh, jobs sent with srun and sbatch. A cluster that cannot start fails the tests."""
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import FAST, PYTHON, REPO, Result, load_state, run
+
+sys.path.insert(0, str(REPO))
+import distributed_slurm_main  # noqa: E402  (the script itself, for its pure helpers)
+
+SCRIPT = "distributed_slurm_main.py"
+CLUSTER = ["bash", str(REPO / "scripts" / "slurm_cluster.sh")]
+# The repo's batch script scaled down to the test cluster: 2 nodes x 1 CPU task, no GPUs.
+SBATCH_SMALL = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gpus-per-node=0", "--time=10"]
+ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    start = subprocess.run(CLUSTER + ["start", "--nodes", "2"], capture_output=True, text=True)
+    if start.returncode != 0:
+        pytest.fail(f"cannot start the Slurm cluster:\n{start.stdout}{start.stderr}")
+    yield
+    subprocess.run(CLUSTER + ["stop"], check=True, capture_output=True)
+
+
+def check_training(r, world_size, launcher, epochs):
+    r.check()
+    assert [s["epoch"] for s in r.summaries] == list(range(epochs))
+    for s in r.summaries:
+        assert (s["launcher"], s["world_size"], s["device"], s["val_count"]) == (launcher, world_size, "cpu", 37)
+    assert r.done["ranks_identical"] and len(r.done["state_sha256"]) == world_size
+    assert r.stdout.count("Epoch: [0]") == 1, "progress must be printed by global rank 0 only"
+
+
+def check_usage_error(r, message):
+    assert r.returncode == 2, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+    errors = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+
+
+# ---- srun: one task per process, and one task per node spawning the processes ----
+
+def test_srun_one_node_two_tasks(tiny_data, tmp_path):
+    r = run(["--data", tiny_data, "-b", 32, "--epochs", 2, "--output-dir", tmp_path] + FAST,
+            launcher="srun", nproc=2, script=SCRIPT)
+    check_training(r, world_size=2, launcher="srun", epochs=2)
+    assert (tmp_path / "checkpoint.pth").is_file()
+
+
+def test_srun_two_nodes_file_rendezvous(tiny_data, tmp_path):
+    # An address nobody can reach: the job trains only if the ranks meet through the file.
+    r = run(["--data", tiny_data, "-b", 32, "--epochs", 2, "--output-dir", tmp_path, "--dist-file",
+             tmp_path / "rendezvous"] + FAST, launcher="srun-nodes", nproc=2, script=SCRIPT,
+            env={"MASTER_ADDR": "unreachable.invalid"})
+    check_training(r, world_size=2, launcher="srun", epochs=2)
+
+
+def test_spawn_two_nodes_world_size_four(tiny_data, tmp_path):
+    r = run(["--data", tiny_data, "-b", 32, "--epochs", 1, "--output-dir", tmp_path, "--nprocs-per-node", 2] + FAST,
+            launcher="srun-nodes", nproc=2, script=SCRIPT)
+    check_training(r, world_size=4, launcher="srun+mp.spawn", epochs=1)
+
+
+# The first case fails in the 4 spawned processes of 2 tasks: exactly one line must come out.
+@pytest.mark.parametrize("nproc,nprocs_per_node,message", [
+    (2, 2, "use one task per node (srun --ntasks-per-node=1 -n 1)"),
+    (1, 0, "--nprocs-per-node must be at least 1"),
+], ids=["spawn with two tasks on a node", "no processes per node"])
+def test_bad_launch(tiny_data, tmp_path, nproc, nprocs_per_node, message):
+    r = run(["--data", tiny_data, "-b", 32, "--output-dir", tmp_path, "--nprocs-per-node", nprocs_per_node] + FAST,
+            launcher="srun", nproc=nproc, script=SCRIPT)
+    check_usage_error(r, message)
+
+
+@pytest.mark.parametrize("nodelist", ["n1", "n[1-2]", "n2,n1", "gpu[08-10,12],cpu1", "r[1-2]-n[3-4]"])
+def test_first_host_matches_scontrol(nodelist):
+    expanded = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+    assert distributed_slurm_main.first_host(nodelist) == expanded.stdout.split()[0]
+
+
+# ---- sbatch: the repo's batch script, cancelled, resubmitted ----
+
+def sbatch(tmp, args, env=None):
+    """Submit a batch job; returns its id and the file its output goes to."""
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    proc = subprocess.run(["sbatch", "--parsable", f"--output={tmp}/slurm-%j.out"] + [str(a) for a in args],
+                          cwd=REPO, env=full_env, capture_output=True, text=True, check=True)
+    job = proc.stdout.strip().split(";")[0]
+    return job, tmp / f"slurm-{job}.out"
+
+
+def submit_training(tmp, data, output_dir, epochs, trainer_args=()):
+    """scripts/slurm_train.sbatch as a user scales it down: sbatch options, knobs in the environment."""
+    knobs = {"DATA": str(data), "OUTPUT_DIR": str(output_dir), "ARCH": "resnet18", "EPOCHS": str(epochs),
+             "BATCH_SIZE": "32", "PYTHON": PYTHON}
+    return sbatch(tmp, SBATCH_SMALL + ["scripts/slurm_train.sbatch"] + FAST + list(trainer_args), env=knobs)
+
+
+def job_state(job):
+    """(state, exit code) from the controller; `sbatch --wait` polls at 2, 8, 32 s..., far too slowly."""
+    info = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, check=True).stdout
+    return re.search(r"JobState=(\S+)", info).group(1), int(re.search(r"ExitCode=(\d+):", info).group(1))
+
+
+def wait_until(condition, what, timeout=240):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.2)
+
+
+def finish(job, log):
+    """Wait for a batch job to end; returns its final state and its output as a Result."""
+    wait_until(lambda: job_state(job)[0] not in ACTIVE, f"job {job} to end")
+    state, code = job_state(job)
+    return state, Result.parse(code, log.read_text(), "")
+
+
+@pytest.fixture(scope="module")
+def batch_training(tiny_data, tmp_path_factory):
+    """An uninterrupted run of the batch script for the given number of epochs (each run only once)."""
+    runs = {}
+
+    def get(epochs):
+        if epochs not in runs:
+            tmp = tmp_path_factory.mktemp("sbatch")
+            runs[epochs] = finish(*submit_training(tmp, tiny_data, tmp / "ckpt", epochs))[1]
+        return runs[epochs]
+    return get
+
+
+def test_sbatch_script_scaled_down(batch_training):
+    check_training(batch_training(2), world_size=2, launcher="srun", epochs=2)
+
+
+def test_cancelled_job_resumes_from_its_checkpoint(tiny_data, tmp_path, batch_training):
+    checkpoint = tmp_path / "ckpt" / "checkpoint.pth"
+    # File rendezvous: the killed job leaves its file behind, which must not mislead the next job.
+    rendezvous = ["--dist-file", tmp_path / "rendezvous"]
+    job, log = submit_training(tmp_path, tiny_data, checkpoint.parent, 50, rendezvous)
+    wait_until(lambda: checkpoint.exists() or job_state(job)[0] not in ACTIVE, "the first checkpoint")
+    subprocess.run(["scancel", job], check=True)
+    state, cancelled = finish(job, log)
+    assert state == "CANCELLED" and checkpoint.exists(), cancelled.stdout
+    assert (tmp_path / f"rendezvous.{job}.0.0").exists(), "the file is named after job, step and requeue count"
+    epochs_done = load_state(checkpoint)["epoch"]
+    assert 1 <= epochs_done < 50
+
+    state, resumed = finish(*submit_training(tmp_path, tiny_data, checkpoint.parent, epochs_done + 1, rendezvous))
+    resumed.check()
+    assert f"=> loaded checkpoint '{checkpoint}' (next epoch {epochs_done})" in resumed.stdout
+    assert [s["epoch"] for s in resumed.summaries] == [epochs_done]
+    assert resumed.done["state_sha256"] == batch_training(epochs_done + 1).done["state_sha256"], \
+        "the resumed job must end bitwise where an uninterrupted one does"
+
+
+def test_batch_script_without_srun_is_refused(tiny_data, tmp_path):
+    command = f"{PYTHON} {SCRIPT} --data {tiny_data} -b 32 --output-dir {tmp_path} " + " ".join(FAST)
+    state, r = finish(*sbatch(tmp_path, ["--nodes=1", "--ntasks=2", "--wrap", command]))
+    assert state == "FAILED"
+    check_usage_error(r, "launch it with srun")
