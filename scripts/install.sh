@@ -2,8 +2,8 @@
 # Creates .venv and installs what the cookbook needs. Safe to re-run: finished steps are skipped.
 #
 #   bash scripts/install.sh           # trainers + demo data: requirements.txt, requirements-dev.txt
-#   bash scripts/install.sh --tests   # also the engines the tests start for real: the Slurm and
-#                                     # munge Debian packages, and Horovod compiled against this torch
+#   bash scripts/install.sh --tests   # also the engines the tests start for real: the Slurm, munge and
+#                                     # iproute2 Debian packages, and Horovod compiled against this torch
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -19,7 +19,7 @@ esac
 
 if (( tests )); then
     missing=()
-    for pkg in slurmctld slurmd slurm-client munge cmake g++ make; do
+    for pkg in slurmctld slurmd slurm-client munge cmake g++ make iproute2; do
         dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
     done
     if (( ${#missing[@]} )); then
