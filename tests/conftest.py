@@ -107,11 +107,37 @@ def max_abs_diff(a, b):
 # EQUIV: the training-equivalence workload; the comment in test_distributed.py says why it is built so.
 EQUIV = ["--dummy", "--dummy-samples", 96, "-b", 32, "--epochs", 1, "--norm", "group", "--lr", 0.1,
          "--warmup-epochs", 0.5] + FAST
+# Equivalence runs compute in float64: pass env=FLOAT64 to run(). In float32, 2 ranks x 16 images
+# round differently from 1 process x 32 (another batch size, on some CPUs another oneDNN kernel),
+# and a ReLU or max-pool decision lying within that rounding of its threshold flips. Measured with
+# EQUIV: on an AVX-512 CPU 1 and 2 processes end 1.2e-7 apart; on AVX2 (ATEN_CPU_CAPABILITY=avx2
+# ONEDNN_MAX_CPU_ISA=AVX2, and CI's machine) 1.2e-7 after 2 steps but 1.9e-4 after 3. In float64
+# the rounding is ~1e-16 and no decision flips (measured 2.2e-16 on both), so the tests demand
+# EQUIV_TOLERANCE, far below 1e-5, while a real error (a sum for a mean, a wrong shard, a lost or
+# doubled step) moves weights by more than 1e-3.
+FLOAT64 = {"PYTHONPATH": str(REPO / "tests" / "float64")}
+EQUIV_TOLERANCE = 1e-9
+
+
+def float64_weights(out):
+    """The final weights of an equivalence run written to out; fails if float64 did not reach the trainer."""
+    state = load_state(Path(out) / "checkpoint.pth")["state_dict"]
+    assert all(v.dtype == torch.float64 for v in state.values() if v.is_floating_point()), "not a float64 run"
+    return state
 
 
 @pytest.fixture(scope="session")
 def single_process_weights(tmp_path_factory):
+    """EQUIV trained by one process, in float64: the reference of every equivalence test."""
     out = tmp_path_factory.mktemp("single")
+    run(["--output-dir", out] + EQUIV, env=FLOAT64).check()
+    return float64_weights(out)
+
+
+@pytest.fixture(scope="session")
+def float32_weights(tmp_path_factory):
+    """EQUIV trained by one process in float32 (float64 starts from other random weights): bf16's reference."""
+    out = tmp_path_factory.mktemp("single-float32")
     run(["--output-dir", out] + EQUIV).check()
     return load_state(out / "checkpoint.pth")["state_dict"]
 

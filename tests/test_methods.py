@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from conftest import EQUIV, FAST, REPO, bad_inputs, free_port, launch_command, load_state, max_abs_diff, run
+from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, REPO, bad_inputs, float64_weights, free_port, launch_command,
+                      load_state, max_abs_diff, run)
 
 sys.path.insert(0, str(REPO))
 import distributed  # noqa: E402  (the reference's pure helpers)
@@ -63,13 +64,13 @@ def test_runs_and_resumes_bitwise(script, launcher, nproc, extra, tiny_data, tmp
     # On the CPU DataParallel is one process on one device: the very computation of a 1-process
     # distributed.py run, down to the shuffle, so the weights must be bitwise equal.
     (DP, [], 0.0),
-    (MP, [], 1e-5),  # 2 processes on one node; two nodes below
-    (AMP, ["--amp-dtype", "float32"], 1e-5),  # autocast and GradScaler off: DDP's numerics exactly
+    (MP, [], EQUIV_TOLERANCE),  # 2 processes on one node; two nodes below
+    (AMP, ["--amp-dtype", "float32"], EQUIV_TOLERANCE),  # autocast and GradScaler off: DDP's numerics exactly
 ])
 def test_training_equals_single_process(script, extra, tolerance, tmp_path, single_process_weights):
     launcher, nproc = LAUNCHER[script]
-    run(["--output-dir", tmp_path] + EQUIV + extra, launcher, nproc, script).check()
-    assert max_abs_diff(load_state(tmp_path / "checkpoint.pth")["state_dict"], single_process_weights) <= tolerance
+    run(["--output-dir", tmp_path] + EQUIV + extra, launcher, nproc, script, env=FLOAT64).check()
+    assert max_abs_diff(float64_weights(tmp_path), single_process_weights) <= tolerance
 
 
 def test_spawn_across_two_nodes_equals_single_process(tmp_path, single_process_weights):
@@ -77,17 +78,17 @@ def test_spawn_across_two_nodes_equals_single_process(tmp_path, single_process_w
     args = EQUIV + ["--nnodes", 2, "--port", free_port()]
     node1 = subprocess.Popen(
         launch_command(MP, "spawn", 1) + [str(a) for a in args + ["--node-rank", 1, "--output-dir", tmp_path / "n1"]],
-        cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    r = run(args + ["--node-rank", 0, "--output-dir", tmp_path / "n0"], "spawn", 1, MP)
+        cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", **FLOAT64), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    r = run(args + ["--node-rank", 0, "--output-dir", tmp_path / "n0"], "spawn", 1, MP, env=FLOAT64)
     out1, err1 = node1.communicate(timeout=300)
     r.check()
     assert node1.returncode == 0, err1
     assert r.summaries[0]["world_size"] == 2 and len(r.done["state_sha256"]) == 2 and r.done["ranks_identical"]
     assert out1 == "", "only global rank 0 prints"
-    assert max_abs_diff(load_state(tmp_path / "n0/checkpoint.pth")["state_dict"], single_process_weights) <= 1e-5
+    assert max_abs_diff(float64_weights(tmp_path / "n0"), single_process_weights) <= EQUIV_TOLERANCE
 
 
-def test_amp_bfloat16_follows_float32(tmp_path, single_process_weights):
+def test_amp_bfloat16_follows_float32(tmp_path, float32_weights):
     """bf16 keeps 8 significant bits: each rounded operand errs by up to 2**-9 (0.2%) relative.
 
     Forward values such as the loss stay within a few such roundings of fp32. A gradient does not:
@@ -110,7 +111,7 @@ def test_amp_bfloat16_follows_float32(tmp_path, single_process_weights):
     initial = distributed.build_model(args, distributed.build_datasets(args)[2]).state_dict()
     bf16 = load_state(tmp_path / "checkpoint.pth")["state_dict"]
     keys = [k for k in initial if initial[k].is_floating_point()]
-    fp32_update = torch.cat([(single_process_weights[k].double() - initial[k].double()).flatten() for k in keys])
+    fp32_update = torch.cat([(float32_weights[k].double() - initial[k].double()).flatten() for k in keys])
     bf16_update = torch.cat([(bf16[k].double() - initial[k].double()).flatten() for k in keys])
     cosine = (fp32_update @ bf16_update / (fp32_update.norm() * bf16_update.norm())).item()
     length = (bf16_update.norm() / fp32_update.norm()).item()
