@@ -479,6 +479,10 @@ def main(argv=None):
 
 def worker(spawned_index, args):
     """One process of the job: its rank and rendezvous from Slurm, then train."""
+    # A spawned process inherits the parent's "spawn" start method, so its DataLoader workers would
+    # start a fresh interpreter (and import torch) every epoch: 12.4 s per demo epoch instead of 7.5
+    # here. Back to the platform's default (fork on Linux), as under torchrun.
+    mp.set_start_method(None, force=True)
     try:
         slurm_environment(args, spawned_index)
         main_worker(args)

@@ -117,7 +117,7 @@ run_method() {  # run_method METHOD: run it, appending to its log, showing its p
     "${cmd[@]}" >>"$log" 2>&1 &
     local pid=$!
     # Progress: one short line per finished epoch, and any error line.
-    tail -n0 -F --pid=$pid "$log" 2>/dev/null | grep --line-buffered -E '^(SUMMARY|error)' | sed -u -E \
+    tail -n0 -F --pid=$pid "$log" 2>/dev/null | grep --line-buffered -E '^(\[[0-9]+\]<std(out|err)>:)?(SUMMARY|error)' | sed -u -E \
         -e 's/.*"epoch": ([0-9]+).*"val_acc1": ([0-9]+\.?[0-9]?)[0-9]*.*"epoch_time": ([0-9.]+), "images_per_sec": ([0-9.]+).*/   epoch \1: val top-1 \2 %, \3 s, \4 images\/s/' \
         -e 's/^SUMMARY .*"epoch": ([0-9]+).*"images_per_sec": ([0-9.]+).*/   epoch \1: \2 images\/s/' &
     wait $pid || status=$?

@@ -20,6 +20,7 @@ exec "$PY" - "$logdir" <<'EOF'
 import glob
 import json
 import os
+import re
 import statistics
 import sys
 
@@ -31,6 +32,7 @@ def read(path):
     summaries, done, errors = [], None, []
     with open(path, errors="replace") as f:
         for line in f:
+            line = re.sub(r"^\[\d+\]<std(?:out|err)>:", "", line)  # horovodrun's "[rank]<stdout>:" prefix
             kind, _, payload = line.strip().partition(" ")
             try:
                 if kind == "SUMMARY":

@@ -55,6 +55,7 @@ def measure(rank, world_size, method, arch, port, results):
     dist.all_gather_object(gathered, sizes)
     if rank == 0:
         results.put(gathered)
+    dist.barrier()  # as the trainers' finish(): a rank leaving mid-collective can abort its peer
     dist.destroy_process_group()
 
 
