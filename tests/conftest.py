@@ -142,6 +142,24 @@ def float32_weights(tmp_path_factory):
     return load_state(out / "checkpoint.pth")["state_dict"]
 
 
+def assert_bf16_follows_float32(out, float32_weights, switch):
+    """The bf16 EQUIV run written to out updated the weights nearly as float32 did, yet not equally
+    (else `switch` did not apply). test_methods.py's test_amp_bfloat16_follows_float32 argues the bounds."""
+    sys.path.insert(0, str(REPO))
+    import distributed  # its build_model: the initial weights both runs started from
+    args = distributed.parse_args([str(a) for a in EQUIV])
+    torch.manual_seed(args.seed)  # as main_worker does before it builds the model
+    initial = distributed.build_model(args, distributed.build_datasets(args)[2]).state_dict()
+    bf16 = load_state(Path(out) / "checkpoint.pth")["state_dict"]
+    keys = [k for k in initial if initial[k].is_floating_point()]
+    fp32_update = torch.cat([(float32_weights[k].double() - initial[k].double()).flatten() for k in keys])
+    bf16_update = torch.cat([(bf16[k].double() - initial[k].double()).flatten() for k in keys])
+    cosine = (fp32_update @ bf16_update / (fp32_update.norm() * bf16_update.norm())).item()
+    length = (bf16_update.norm() / fp32_update.norm()).item()
+    assert cosine >= 0.85 and 0.8 <= length <= 1.25, (cosine, length)
+    assert (bf16_update - fp32_update).abs().max() > 1e-4, f"bf16 trained exactly like fp32: {switch} did not apply"
+
+
 class RunsCode:
     """Unpickling this would create a file: a checkpoint must never execute it."""
 

@@ -6,11 +6,10 @@ import shutil
 import sys
 
 import pytest
-import torch
-import torch.nn as nn
 import torchvision
 
-from conftest import EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, REPO, RunsCode, float64_weights, load_state, max_abs_diff, run
+from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, REPO, RunsCode, assert_bf16_follows_float32, float64_weights,
+                      load_state, max_abs_diff, run)
 
 sys.path.insert(0, str(REPO))
 import distributed  # noqa: E402  (the reference's state_digest)
@@ -85,15 +84,7 @@ def test_bfloat16_follows_float32(tmp_path, float32_weights):
     The bounds (cosine >= 0.85, length within 0.8-1.25) are test_methods.py's for autocast bf16,
     which explains them; a policy bug (a lost or doubled step, gradients not averaged) moves far."""
     fsdp(["--output-dir", tmp_path, "--param-dtype", "bfloat16", "--reduce-dtype", "bfloat16"] + EQUIV).check()
-    torch.manual_seed(0)  # EQUIV's seed: the initial weights both runs started from
-    initial = torchvision.models.resnet18(num_classes=1000, norm_layer=lambda c: nn.GroupNorm(32, c)).state_dict()
-    bf16 = load_state(tmp_path / "checkpoint.pth")["state_dict"]
-    fp32_update = torch.cat([(float32_weights[k].double() - initial[k].double()).flatten() for k in initial])
-    bf16_update = torch.cat([(bf16[k].double() - initial[k].double()).flatten() for k in initial])
-    cosine = (fp32_update @ bf16_update / (fp32_update.norm() * bf16_update.norm())).item()
-    length = (bf16_update.norm() / fp32_update.norm()).item()
-    assert cosine >= 0.85 and 0.8 <= length <= 1.25, (cosine, length)
-    assert (bf16_update - fp32_update).abs().max() > 1e-4, "bf16 trained exactly like fp32: the policy did not apply"
+    assert_bf16_follows_float32(tmp_path, float32_weights, "the policy")
 
 
 def test_bfloat16_with_batchnorm(tmp_path):

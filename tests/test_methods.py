@@ -6,16 +6,12 @@ multiprocessing_distributed.py spawning its own processes, apex_distributed.py u
 import os
 import socket
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, REPO, bad_inputs, float64_weights, free_port, launch_command,
-                      load_state, max_abs_diff, run)
-
-sys.path.insert(0, str(REPO))
-import distributed  # noqa: E402  (the reference's pure helpers)
+from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, REPO, assert_bf16_follows_float32, bad_inputs,
+                      float64_weights, free_port, launch_command, load_state, max_abs_diff, run)
 
 DP, MP, AMP = "dataparallel.py", "multiprocessing_distributed.py", "apex_distributed.py"
 METHOD = {DP: "dataparallel", MP: "ddp-spawn", AMP: "amp"}
@@ -106,17 +102,7 @@ def test_amp_bfloat16_follows_float32(tmp_path, float32_weights):
     """
     r = run(["--output-dir", tmp_path] + EQUIV, *LAUNCHER[AMP], AMP).check()
     assert "=> autocast bfloat16, GradScaler off" in r.stdout  # the CPU default
-    args = distributed.parse_args([str(a) for a in EQUIV])
-    torch.manual_seed(args.seed)  # as main_worker does before it builds the model
-    initial = distributed.build_model(args, distributed.build_datasets(args)[2]).state_dict()
-    bf16 = load_state(tmp_path / "checkpoint.pth")["state_dict"]
-    keys = [k for k in initial if initial[k].is_floating_point()]
-    fp32_update = torch.cat([(float32_weights[k].double() - initial[k].double()).flatten() for k in keys])
-    bf16_update = torch.cat([(bf16[k].double() - initial[k].double()).flatten() for k in keys])
-    cosine = (fp32_update @ bf16_update / (fp32_update.norm() * bf16_update.norm())).item()
-    length = (bf16_update.norm() / fp32_update.norm()).item()
-    assert cosine >= 0.85 and 0.8 <= length <= 1.25, (cosine, length)
-    assert (bf16_update - fp32_update).abs().max() > 1e-4, "bf16 trained exactly like fp32: autocast did not run"
+    assert_bf16_follows_float32(tmp_path, float32_weights, "autocast")
 
 
 # ---- exact evaluation ----
