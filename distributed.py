@@ -99,6 +99,27 @@ class UsageError(Exception):
     """A problem with the user's input: reported as one line, without a traceback."""
 
 
+class UnreadableImage(UsageError):
+    """An image file that cannot be decoded: only the rank whose shard holds it meets it."""
+
+
+def report(error):
+    """Print a UsageError as one line: by global rank 0 when every rank met the same one; by the
+    rank that met it when it is an UnreadableImage (the others are stopped by the launcher)."""
+    if RANK == 0 or isinstance(error, UnreadableImage):
+        # Raised in a DataLoader worker, it comes back with the worker's traceback before its message.
+        message = str(error).rsplit(f"{UnreadableImage.__name__}: ", 1)[-1].strip()
+        print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def load_image(path):
+    """ImageFolder's loader (PIL, RGB), with an error naming a corrupt or truncated file."""
+    try:
+        return datasets.folder.pil_loader(path)
+    except (OSError, SyntaxError, ValueError) as e:  # what PIL raises for undecodable data
+        raise UnreadableImage(f"cannot read image '{path}' ({e}): replace or delete the file") from None
+
+
 def log(*args, **kwargs):
     """Print on global rank 0 only, so N processes do not print N copies."""
     if RANK == 0:
@@ -233,8 +254,8 @@ def build_datasets(args):
     val_tf = transforms.Compose([transforms.Resize(args.image_size * 256 // 224), transforms.CenterCrop(args.image_size),
                                  transforms.ToTensor(), normalize])
     try:
-        train = datasets.ImageFolder(os.path.join(args.data, "train"), train_tf)
-        val = datasets.ImageFolder(os.path.join(args.data, "val"), val_tf)
+        train = datasets.ImageFolder(os.path.join(args.data, "train"), train_tf, loader=load_image)
+        val = datasets.ImageFolder(os.path.join(args.data, "val"), val_tf, loader=load_image)
     except FileNotFoundError as e:  # no class folders, or a class folder without images
         raise UsageError(f"bad dataset in {args.data}: {e}") from None
     if val.classes != train.classes:
@@ -415,8 +436,7 @@ def main(argv=None):
     try:
         main_worker(args)
     except UsageError as e:
-        if RANK == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        report(e)
         sys.exit(2)
 
 

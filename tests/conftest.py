@@ -187,6 +187,9 @@ def bad_inputs(tiny_data, checkpoint, tmp):
     empty_class = shutil.copytree(tiny_data, tmp / "empty_class")
     for image in (empty_class / "train" / "5").iterdir():
         image.unlink()
+    corrupt = shutil.copytree(tiny_data, tmp / "corrupt")
+    corrupt_image = sorted((corrupt / "train" / "4").iterdir())[0]
+    corrupt_image.write_bytes(corrupt_image.read_bytes()[:100])  # a truncated PNG: its header reads, its pixels not
     truncated = tmp / "truncated.pth"
     truncated.write_bytes(checkpoint.read_bytes()[:5000])
     malicious = tmp / "malicious.pth"
@@ -210,4 +213,7 @@ def bad_inputs(tiny_data, checkpoint, tmp):
         "no such checkpoint": (data + ["--resume", tmp / "none.pth"], "python", "no checkpoint at"),
         "unwritable output dir": (data + ["--output-dir", not_a_dir / "sub"], "python", "cannot write checkpoints"),
         "train set below one batch": (["--data", tiny_data, "-b", 128], "python", "smaller than one global batch"),
+        # Met by one rank, in a DataLoader worker: that rank reports it, and torchrun stops the others.
+        "corrupt train image": (["--data", corrupt, "-b", 32, "-j", 1], "torchrun",
+                                f"cannot read image '{corrupt_image}' (image file is truncated)"),
     }

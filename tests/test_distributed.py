@@ -168,7 +168,7 @@ def test_demo_run_learns(tmp_path):
 BAD = ["missing data dir", "no data at all", "empty data dir", "val class missing", "empty class folder",
        "unknown arch", "batch below world size", "sync-bn on cpu", "other arch checkpoint",
        "truncated checkpoint", "code in checkpoint", "no such checkpoint", "unwritable output dir",
-       "train set below one batch"]
+       "train set below one batch", "corrupt train image"]
 
 
 @pytest.mark.parametrize("case", BAD)
@@ -176,7 +176,7 @@ def test_bad_input(case, tiny_data, checkpoint, tmp_path):
     args, launcher, message = bad_inputs(tiny_data, checkpoint, tmp_path)[case]
     checkpoint_before = checkpoint.read_bytes()
     out = tmp_path / "out"
-    r = run(["--output-dir", out] + args + FAST, launcher=launcher, nproc=2 if launcher == "torchrun" else 1)
+    r = run(["--output-dir", out] + FAST + args, launcher=launcher, nproc=2 if launcher == "torchrun" else 1)
     assert r.returncode != 0
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], r.stderr
