@@ -36,6 +36,7 @@ import torch.utils.data
 import torchvision.datasets as datasets
 import torchvision.models as models
 import torchvision.transforms as transforms
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 try:  # NVIDIA apex, built from github.com/NVIDIA/apex: only its fused optimizers are still used
@@ -455,6 +456,9 @@ def memory_format(device):
     return torch.channels_last if device.type == "cuda" else torch.contiguous_format
 
 
+# @record: under torchrun, an uncaught exception's traceback goes into torchrun's failure summary,
+# which otherwise only says "To enable traceback see ...".
+@record
 def main(argv=None):
     args = parse_args(argv)
     try:

@@ -34,6 +34,7 @@ import torch.utils.data
 import torchvision.datasets as datasets
 import torchvision.models as models
 import torchvision.transforms as transforms
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 METHOD = "ddp"
@@ -431,6 +432,9 @@ def launcher_name(args):
     return "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "none"
 
 
+# @record: under torchrun, an uncaught exception's traceback goes into torchrun's failure summary,
+# which otherwise only says "To enable traceback see ...".
+@record
 def main(argv=None):
     args = parse_args(argv)
     try:

@@ -38,6 +38,7 @@ import torchvision.models as models
 import torchvision.transforms as transforms
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -582,6 +583,9 @@ def launcher_name(args):
     return "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "none"
 
 
+# @record: under torchrun, an uncaught exception's traceback goes into torchrun's failure summary,
+# which otherwise only says "To enable traceback see ...".
+@record
 def main(argv=None):
     args = parse_args(argv)
     try:

@@ -1,5 +1,6 @@
 """distributed.py under real launchers: launch, distributed math, exact eval, resume, bad input."""
 import os
+import subprocess
 import sys
 
 import pytest
@@ -7,8 +8,8 @@ import torch
 import torch.nn as nn
 import torchvision
 
-from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, REPO, bad_inputs, float64_weights, load_state, make_data,
-                      max_abs_diff, run)
+from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, REPO, bad_inputs, float64_weights, launch_command, load_state,
+                      make_data, max_abs_diff, run)
 
 sys.path.insert(0, str(REPO))
 import distributed  # noqa: E402  (the script itself, for its pure helpers)
@@ -41,6 +42,25 @@ def test_dummy_data_runs(tmp_path):
     r = run(["--dummy", "--dummy-samples", 64, "-b", 16, "--epochs", 1, "--output-dir", tmp_path] + FAST,
             launcher="torchrun", nproc=2).check()
     assert r.summaries[0]["val_count"] == 6 and r.summaries[0]["images_per_sec"] > 0
+
+
+def test_torchrun_restarts_a_failing_worker_then_shows_its_traceback(tmp_path):
+    """A worker that raises on every attempt (tests/inject_fault: every optimizer step fails): torchrun
+    --max-restarts=1 starts the workers twice, then its failure summary holds the worker's traceback,
+    which main's @record puts there."""
+    command = launch_command("distributed.py", "torchrun", 2)
+    command[1:1] = ["--max-restarts=1"]
+    args = ["--dummy", "--dummy-samples", 64, "-b", 16, "--epochs", 1, "--output-dir", tmp_path] + FAST
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "tests" / "inject_fault"),
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # README: restarts need it on torch 2.14
+    proc = subprocess.run(command + [str(a) for a in args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0
+    assert proc.stdout.count("=> ddp: world size 2") == 2, "torchrun restarts the workers once"
+    summary = proc.stderr[proc.stderr.index("Root Cause (first observed failure)"):]
+    assert "attempt_1" in summary and "To enable traceback" not in summary
+    assert 'in train\n      optimizer.step()' in summary
+    assert "RuntimeError: injected fault: optimizer.step always fails" in summary
 
 
 # ---- distributed math ----
