@@ -20,6 +20,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 from datetime import timedelta
 
@@ -425,6 +426,34 @@ def setup_distributed(args):
     return RANK, world_size, local_rank, device
 
 
+def stalled_ranks(grace=5.0):
+    """After a collective timed out, the ranks that stalled.
+
+    The timed-out group's connections are closed, so every rank still alive checks in on the
+    rendezvous store instead (torchrun's, or rank 0's without it) and, after `grace` seconds for the
+    others to time out too, lists who did not. A store that does not answer is rank 0's: rank 0 stalled.
+    """
+    if "MASTER_ADDR" not in os.environ:  # a file:// rendezvous: no store to meet on
+        return []
+    key = f"cookbook/alive/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"  # one namespace per torchrun attempt
+    world_size, alive = dist.get_world_size(), []
+
+    def check_in():  # in a thread: a client of a stopped store waits for ever, whatever its timeout
+        try:
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                  timeout=timedelta(seconds=grace))
+            store.set(key + str(RANK), "1")
+            time.sleep(grace)
+            alive.extend(r for r in range(world_size) if store.check([key + str(r)]))
+        except dist.DistError:
+            pass
+
+    thread = threading.Thread(target=check_in, daemon=True)
+    thread.start()
+    thread.join(3 * grace)
+    return [r for r in range(world_size) if r not in alive] if alive else [0]
+
+
 def check_launch(args):
     """Checks made once, before any process starts; picks --nprocs and the rendezvous port."""
     use_cuda = torch.cuda.is_available() and not args.cpu
@@ -482,6 +511,19 @@ def worker(local_rank, args):
     except UsageError as e:
         report(e)
         sys.exit(2)
+    except RuntimeError as e:
+        # gloo's words for a timed-out collective: on the one that waited, or on a later one that
+        # found its connections closed by the timeout.
+        if not (dist.is_initialized() and ("Timed out waiting" in str(e) or "Application timeout" in str(e))):
+            raise
+        stalled = stalled_ranks()
+        if not stalled:
+            raise
+        if RANK == min(set(range(dist.get_world_size())) - set(stalled)):  # one line, from the lowest live rank
+            print(f"error: rank(s) {', '.join(map(str, stalled))} stalled: the others waited --dist-timeout "
+                  f"{args.dist_timeout:g} s for them in a collective (a hang, a stopped process, or far slower "
+                  "work: py-spy dump shows where it is)", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def main_worker(args):

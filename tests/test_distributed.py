@@ -1,7 +1,10 @@
 """distributed.py under real launchers: launch, distributed math, exact eval, resume, bad input."""
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,6 +64,47 @@ def test_torchrun_restarts_a_failing_worker_then_shows_its_traceback(tmp_path):
     assert "attempt_1" in summary and "To enable traceback" not in summary
     assert 'in train\n      optimizer.step()' in summary
     assert "RuntimeError: injected fault: optimizer.step always fails" in summary
+
+
+def worker_pid(marker, rank):
+    """The PID of the launched worker of global rank `rank` whose command line holds `marker`."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # gone, or not ours to read
+            continue
+        if marker.encode() in cmdline and f"RANK={rank}".encode() in environ:
+            return int(pid)
+    raise AssertionError(f"no worker of rank {rank} running with {marker}")
+
+
+@pytest.mark.parametrize("stalled", [1, 0])
+def test_stalled_rank_is_named(stalled, tmp_path):
+    """A worker stopped mid-epoch (SIGSTOP: alive, silent): the others fail --dist-timeout (5 s) later,
+    plus stalled_ranks' 5 s for the live ranks to check in, with one line naming it."""
+    out = str(tmp_path / "out")
+    args = FAST + ["--dummy", "--dummy-samples", 100000, "-b", 16, "-p", 5, "--dist-timeout", 5, "--output-dir", out]
+    proc = subprocess.Popen(launch_command("distributed.py", "torchrun", 2) + [str(a) for a in args], cwd=REPO,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        next(line for line in proc.stdout if line.startswith("Epoch: [0]"))  # training has started
+        pid = worker_pid(out, stalled)
+        os.kill(pid, signal.SIGSTOP)
+        stopped, errors, stderr = time.monotonic(), [], []
+        for line in proc.stderr:  # to the end: torchrun exits once the stopped worker is gone
+            stderr.append(line)
+            if line.startswith("error:"):
+                errors.append((time.monotonic() - stopped, line))
+                os.kill(pid, signal.SIGKILL)  # torchrun would wait 30 s for a stopped process to take SIGTERM
+        assert proc.wait(timeout=60) != 0
+    finally:
+        proc.kill()
+    assert len(errors) == 1, "".join(stderr)
+    elapsed, line = errors[0]
+    assert line.startswith(f"error: rank(s) {stalled} stalled: the others waited --dist-timeout 5 s"), line
+    assert 5 <= elapsed <= 25, elapsed
 
 
 # ---- distributed math ----
