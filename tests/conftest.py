@@ -3,9 +3,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -158,6 +160,34 @@ def assert_bf16_follows_float32(out, float32_weights, switch):
     length = (bf16_update.norm() / fp32_update.norm()).item()
     assert cosine >= 0.85 and 0.8 <= length <= 1.25, (cosine, length)
     assert (bf16_update - fp32_update).abs().max() > 1e-4, f"bf16 trained exactly like fp32: {switch} did not apply"
+
+
+def stall_a_rank(script, launcher, pid_to_stop, args, kill_on_error=False):
+    """Train on 2 processes with --dist-timeout 5, SIGSTOP the process pid_to_stop(proc) names once
+    training has started (alive and silent: a hang), and read stderr to the end.
+
+    Returns the `error:` lines as (seconds after the stop, line) and the whole stderr. The live ranks
+    should fail 5 s (the timeout) + 5 s (their check-in on the store) after the stop.
+    """
+    command = launch_command(script, launcher, 2) + [str(a) for a in FAST + [
+        "--dummy", "--dummy-samples", 100000, "-b", 16, "-p", 5, "--dist-timeout", 5] + args]
+    proc = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        next(line for line in proc.stdout if line.startswith("Epoch: [0]"))  # training has started
+        pid = pid_to_stop(proc)
+        os.kill(pid, signal.SIGSTOP)
+        stopped, errors, stderr = time.monotonic(), [], []
+        for line in proc.stderr:  # to the end: the launcher exits once the stopped process is gone
+            stderr.append(line)
+            if line.startswith("error:"):
+                errors.append((time.monotonic() - stopped, line))
+                if kill_on_error:
+                    os.kill(pid, signal.SIGKILL)
+        assert proc.wait(timeout=60) != 0
+    finally:
+        proc.kill()
+    return errors, "".join(stderr)
 
 
 class RunsCode:

@@ -1,9 +1,7 @@
 """distributed.py under real launchers: launch, distributed math, exact eval, resume, bad input."""
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -11,8 +9,8 @@ import torch
 import torch.nn as nn
 import torchvision
 
-from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, REPO, bad_inputs, float64_weights, launch_command, load_state,
-                      make_data, max_abs_diff, run)
+from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, REPO, bad_inputs, float64_weights, launch_command,
+                      load_state, make_data, max_abs_diff, run, stall_a_rank)
 
 sys.path.insert(0, str(REPO))
 import distributed  # noqa: E402  (the script itself, for its pure helpers)
@@ -81,27 +79,12 @@ def worker_pid(marker, rank):
 
 @pytest.mark.parametrize("stalled", [1, 0])
 def test_stalled_rank_is_named(stalled, tmp_path):
-    """A worker stopped mid-epoch (SIGSTOP: alive, silent): the others fail --dist-timeout (5 s) later,
-    plus stalled_ranks' 5 s for the live ranks to check in, with one line naming it."""
+    """torchrun's workers: the store the live ranks check in on is torchrun's own."""
     out = str(tmp_path / "out")
-    args = FAST + ["--dummy", "--dummy-samples", 100000, "-b", 16, "-p", 5, "--dist-timeout", 5, "--output-dir", out]
-    proc = subprocess.Popen(launch_command("distributed.py", "torchrun", 2) + [str(a) for a in args], cwd=REPO,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        next(line for line in proc.stdout if line.startswith("Epoch: [0]"))  # training has started
-        pid = worker_pid(out, stalled)
-        os.kill(pid, signal.SIGSTOP)
-        stopped, errors, stderr = time.monotonic(), [], []
-        for line in proc.stderr:  # to the end: torchrun exits once the stopped worker is gone
-            stderr.append(line)
-            if line.startswith("error:"):
-                errors.append((time.monotonic() - stopped, line))
-                os.kill(pid, signal.SIGKILL)  # torchrun would wait 30 s for a stopped process to take SIGTERM
-        assert proc.wait(timeout=60) != 0
-    finally:
-        proc.kill()
-    assert len(errors) == 1, "".join(stderr)
+    # torchrun would wait 30 s for the stopped worker to take its SIGTERM: kill it once the error is out.
+    errors, stderr = stall_a_rank("distributed.py", "torchrun", lambda proc: worker_pid(out, stalled),
+                                  ["--output-dir", out], kill_on_error=True)
+    assert len(errors) == 1, stderr
     elapsed, line = errors[0]
     assert line.startswith(f"error: rank(s) {stalled} stalled: the others waited --dist-timeout 5 s"), line
     assert 5 <= elapsed <= 25, elapsed

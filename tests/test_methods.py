@@ -6,12 +6,13 @@ multiprocessing_distributed.py spawning its own processes, apex_distributed.py u
 import os
 import socket
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, REPO, assert_bf16_follows_float32, bad_inputs,
-                      float64_weights, free_port, launch_command, load_state, max_abs_diff, run)
+                      float64_weights, free_port, launch_command, load_state, max_abs_diff, run, stall_a_rank)
 
 DP, MP, AMP = "dataparallel.py", "multiprocessing_distributed.py", "apex_distributed.py"
 METHOD = {DP: "dataparallel", MP: "ddp-spawn", AMP: "amp"}
@@ -74,7 +75,8 @@ def test_spawn_across_two_nodes_equals_single_process(tmp_path, single_process_w
     args = EQUIV + ["--nnodes", 2, "--port", free_port()]
     node1 = subprocess.Popen(
         launch_command(MP, "spawn", 1) + [str(a) for a in args + ["--node-rank", 1, "--output-dir", tmp_path / "n1"]],
-        cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", **FLOAT64), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", **FLOAT64), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
     r = run(args + ["--node-rank", 0, "--output-dir", tmp_path / "n0"], "spawn", 1, MP, env=FLOAT64)
     out1, err1 = node1.communicate(timeout=300)
     r.check()
@@ -134,6 +136,31 @@ def test_exact_evaluation_at_any_world_size(script, world_sizes, tiny_data, chec
         assert results[0][1] != reference_eval[1], "bf16 evaluated exactly like fp32: autocast did not run"
     else:
         assert results[0] == reference_eval
+
+
+def spawned_pids(parent):
+    """The processes torch.multiprocessing.spawn started from `parent`, in start order: local rank order."""
+    children = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat, cmdline = Path(f"/proc/{pid}/stat").read_text(), Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:  # gone
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and b"spawn_main" in cmdline:
+            children.append(int(pid))
+    return sorted(children)
+
+
+@pytest.mark.parametrize("stalled", [1, 0])
+def test_stalled_rank_is_named_under_spawn(stalled, tmp_path):
+    """mp.spawn's rank 0 hosts the store the live ranks check in on: when rank 0 is the stalled one, the
+    check-in gets no answer and gives up after 15 s, naming rank 0."""
+    errors, stderr = stall_a_rank(MP, "spawn", lambda proc: spawned_pids(proc.pid)[stalled],
+                                  ["--output-dir", tmp_path / "out"])
+    assert len(errors) == 1, stderr
+    elapsed, line = errors[0]
+    assert line.startswith(f"error: rank(s) {stalled} stalled: the others waited --dist-timeout 5 s"), line
+    assert 5 <= elapsed <= (25 if stalled else 35), elapsed
 
 
 # ---- bad input: one clear line, non-zero exit, no traceback ----
