@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import difflib
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -82,6 +83,9 @@ def parse_args(argv=None):
     parser.add_argument("-p", "--print-freq", type=int, default=10,
                         help="print progress (and reduce metrics over ranks) every N optimizer steps")
     parser.add_argument("--output-dir", default="checkpoints", help="where rank 0 writes checkpoints")
+    parser.add_argument("--save-every", type=int, default=0, metavar="N",
+                        help="also checkpoint every N optimizer steps within an epoch (0: at epoch ends only); "
+                             "a run resumed from one skips the batches already trained on")
     parser.add_argument("--resume", default="", metavar="PATH",
                         help="checkpoint to resume from, or 'auto' for the latest in --output-dir (fresh start if none)")
     parser.add_argument("-e", "--evaluate", action="store_true", help="evaluate the model on val and exit")
@@ -200,6 +204,27 @@ class ShardSampler(torch.utils.data.Sampler):
 
     def __len__(self):
         return len(self.batches)
+
+
+class ResumableSampler(torch.utils.data.distributed.DistributedSampler):
+    """DistributedSampler whose epoch can start part-way: set_epoch(epoch, skip) leaves out the first
+    `skip` indices of this rank's share, the samples a mid-epoch checkpoint had already trained on.
+
+    The ranks' shares interleave (rank r takes positions r, r+W, ...), so skipping k*B/W on every
+    rank skips exactly the first k global batches of B, at any world size.
+    """
+
+    skip = 0
+
+    def set_epoch(self, epoch, skip=0):
+        super().set_epoch(epoch)
+        self.skip = skip
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self):
+        return super().__len__() - self.skip
 
 
 class SampleSeeded(torch.utils.data.Dataset):
@@ -582,7 +607,7 @@ def main_worker(args):
     # DistributedSampler gives each rank a disjoint 1/W of a permutation that depends only on
     # (seed, epoch), so rank r's micro-batches of one step together form the same global batch a
     # single process would take. drop_last: drop the tail instead of padding it with duplicates.
-    train_sampler = torch.utils.data.distributed.DistributedSampler(
+    train_sampler = ResumableSampler(
         train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
     micro_batch = max(1, args.batch_size // world_size // args.grad_accum_steps)  # -e skips the -b checks
     loader_kwargs = {"num_workers": args.workers, "pin_memory": device.type == "cuda"}
@@ -604,7 +629,7 @@ def main_worker(args):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(args, max(1, steps_per_epoch)),
                                                   last_epoch=args.start_epoch * steps_per_epoch - 1)
 
-    best_acc1 = 0.0
+    best_acc1, start_step = 0.0, 0
     resume = args.resume
     if resume == "auto":
         resume = os.path.join(args.output_dir, "checkpoint.pth")
@@ -618,7 +643,7 @@ def main_worker(args):
         except RuntimeError as e:
             raise UsageError(f"checkpoint '{resume}' does not fit this model ({str(e).splitlines()[0]}): "
                              "check -a and the number of classes") from None
-        args.start_epoch = checkpoint["epoch"]
+        args.start_epoch, start_step = checkpoint["epoch"], checkpoint.get("step", 0)
         best_acc1 = checkpoint["best_acc1"]
         if not args.evaluate:
             optimizer.load_state_dict(checkpoint["optimizer"])
@@ -629,7 +654,7 @@ def main_worker(args):
             else:
                 log(f"=> checkpoint has RNG state for {len(checkpoint['rng'])} ranks, not {world_size}: "
                     "data order stays exact, other random state is reseeded")
-        log(f"=> loaded checkpoint '{resume}' (next epoch {checkpoint['epoch']})")
+        log(f"=> loaded checkpoint '{resume}' (epoch {args.start_epoch}, step {start_step})")
 
     if args.evaluate:
         val = validate(val_loader, model, device)
@@ -637,26 +662,34 @@ def main_worker(args):
                 device=device.type, epoch=args.start_epoch - 1, **{f"val_{k}": v for k, v in val.items()})
         return finish(model)
 
+    def save(epoch, step, loader_state, is_best=False):
+        """Checkpoint the state after `step` optimizer steps of `epoch` (a whole epoch: epoch + 1, step 0)."""
+        rngs = all_gather_objects(dict(rng_state(), loader=loader_state))  # collective: all ranks' RNG
+        if rank == 0:
+            save_checkpoint({"epoch": epoch, "step": step, "arch": args.arch, "state_dict": module.state_dict(),
+                             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                             "best_acc1": best_acc1, "world_size": world_size, "rng": rngs,
+                             "args": vars(args)}, is_best, args.output_dir)
+
     for epoch in range(args.start_epoch, args.epochs):
-        # set_epoch reshuffles: without it every epoch would visit the data in the same order.
-        train_sampler.set_epoch(epoch)
+        # set_epoch reshuffles: without it every epoch would visit the data in the same order. After
+        # a mid-epoch checkpoint, the batches it had trained on are skipped, not loaded and dropped.
+        train_sampler.set_epoch(epoch, skip=start_step * args.grad_accum_steps * micro_batch)
         train_set.set_epoch(epoch)
+        # The loader draws its workers' seeds from its generator as the epoch starts: mid-epoch
+        # checkpoints keep the state from before that draw, so a resumed epoch makes the same one.
+        loader_state = train_loader.generator.get_state()
         start = time.perf_counter()
-        train_metrics, train_time, data_wait = train(train_loader, model, criterion, optimizer, scheduler,
-                                                     epoch, steps_per_epoch, device, args)
+        train_metrics, train_time, data_wait = train(train_loader, model, criterion, optimizer, scheduler, epoch,
+                                                     start_step, steps_per_epoch, device, args,
+                                                     lambda step: save(epoch, step, loader_state))
+        start_step = 0
         val = validate(val_loader, model, device)
         epoch_time = time.perf_counter() - start
 
         is_best = val["acc1"] > best_acc1
         best_acc1 = max(val["acc1"], best_acc1)
-        rng = rng_state()
-        rng["loader"] = train_loader.generator.get_state()
-        rngs = all_gather_objects(rng)  # collective: every rank's RNG goes into rank 0's checkpoint
-        if rank == 0:
-            save_checkpoint({"epoch": epoch + 1, "arch": args.arch, "state_dict": module.state_dict(),
-                             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                             "best_acc1": best_acc1, "world_size": world_size, "rng": rngs,
-                             "args": vars(args)}, is_best, args.output_dir)
+        save(epoch + 1, 0, train_loader.generator.get_state(), is_best)
         summary("SUMMARY", method=METHOD, launcher=launcher_name(args), world_size=world_size,
                 device=device.type, epoch=epoch, train_loss=train_metrics["loss"], train_acc1=train_metrics["acc1"],
                 val_loss=val["loss"], val_acc1=val["acc1"], val_acc5=val["acc5"], val_count=val["count"],
@@ -665,8 +698,9 @@ def main_worker(args):
     finish(model, best_acc1=best_acc1)
 
 
-def train(loader, model, criterion, optimizer, scheduler, epoch, steps, device, args):
-    """One epoch. Returns (globally reduced metrics, seconds, seconds spent waiting for data)."""
+def train(loader, model, criterion, optimizer, scheduler, epoch, first_step, steps, device, args, save):
+    """One epoch from optimizer step first_step (after a mid-epoch resume, else 0), calling save(step)
+    every --save-every steps. Returns (globally reduced metrics, seconds, seconds spent waiting for data)."""
     model.train()
     meter = AverageMeter(device)
     progress = ProgressMeter(steps, prefix=f"Epoch: [{epoch}]")
@@ -674,7 +708,7 @@ def train(loader, model, criterion, optimizer, scheduler, epoch, steps, device, 
     batches = iter(loader)
     data_wait = interval_wait = 0.0
     start = interval_start = time.perf_counter()
-    for step in range(steps):
+    for step in range(first_step, steps):
         for micro in range(accum):
             t0 = time.perf_counter()
             images, target = next(batches)
@@ -700,9 +734,11 @@ def train(loader, model, criterion, optimizer, scheduler, epoch, steps, device, 
         if (step + 1) % args.print_freq == 0 or step + 1 == steps:
             metrics = meter.reduced()  # the only host sync: once per print interval
             now = time.perf_counter()
-            done = (step % args.print_freq) + 1
+            done = min(step % args.print_freq, step - first_step) + 1
             progress.display(step + 1, metrics, (now - interval_start) / done, interval_wait / done)
             interval_start, interval_wait = now, 0.0
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < steps:  # the last: main_worker's
+            save(step + 1)
     return meter.reduced(), time.perf_counter() - start, data_wait
 
 

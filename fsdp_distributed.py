@@ -17,6 +17,7 @@ import argparse
 import difflib
 import glob
 import hashlib
+import itertools
 import json
 import os
 import pickle
@@ -80,6 +81,9 @@ def parse_args(argv=None):
                         help="ramp the lr linearly from ~0 to its value over this many epochs, per step")
     parser.add_argument("--lr-step-size", type=int, default=30, help="multiply the lr by --lr-gamma every N epochs")
     parser.add_argument("--lr-gamma", type=float, default=0.1, help="lr decay factor of the step schedule")
+    parser.add_argument("--save-every", type=int, default=0, metavar="N",
+                        help="also checkpoint every N optimizer steps within an epoch (0: at epoch ends only); "
+                             "a run resumed from one skips the batches already trained on")
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     parser.add_argument("--wd", "--weight-decay", type=float, default=1e-4, dest="weight_decay", help="weight decay")
     parser.add_argument("-p", "--print-freq", type=int, default=10,
@@ -208,6 +212,27 @@ class ShardSampler(torch.utils.data.Sampler):
 
     def __len__(self):
         return len(self.batches)
+
+
+class ResumableSampler(torch.utils.data.distributed.DistributedSampler):
+    """DistributedSampler whose epoch can start part-way: set_epoch(epoch, skip) leaves out the first
+    `skip` indices of this rank's share, the samples a mid-epoch checkpoint had already trained on.
+
+    The ranks' shares interleave (rank r takes positions r, r+W, ...), so skipping k*B/W on every
+    rank skips exactly the first k global batches of B, at any world size.
+    """
+
+    skip = 0
+
+    def set_epoch(self, epoch, skip=0):
+        super().set_epoch(epoch)
+        self.skip = skip
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self):
+        return super().__len__() - self.skip
 
 
 class SampleSeeded(torch.utils.data.Dataset):
@@ -452,16 +477,21 @@ SHARDED_PREFIX, TRAINER_STATE = "dcp-epoch", "trainer_state.pth"
 
 
 def latest_sharded(output_dir):
-    """The newest sharded checkpoint directory in output_dir, or "" if there is none."""
+    """The newest sharded checkpoint directory in output_dir (dcp-epochN at epoch ends, dcp-epochN-stepS
+    within epoch N), or "" if there is none."""
+    def position(path):  # (epoch, step)
+        epoch, _, step = path.rsplit(SHARDED_PREFIX, 1)[1].partition("-step")
+        return int(epoch), int(step or 0)
     paths = glob.glob(os.path.join(glob.escape(output_dir), SHARDED_PREFIX + "*"))
-    return max(paths, key=lambda path: int(path.rsplit(SHARDED_PREFIX, 1)[1]), default="")
+    return max(paths, key=position, default="")
 
 
 def save_sharded(model, optimizer, trainer_state, output_dir):
-    """Write output_dir/dcp-epochN atomically: all ranks write into a temporary directory that rank
-    0 renames into place once it is complete (a crash leaves the previous one intact), then rank 0
+    """Write output_dir/dcp-epochN[-stepS] atomically: all ranks write into a temporary directory that
+    rank 0 renames into place once it is complete (a crash leaves the previous one intact), then rank 0
     removes the older ones."""
-    path = os.path.join(output_dir, f"{SHARDED_PREFIX}{trainer_state['epoch']}")
+    step = f"-step{trainer_state['step']}" if trainer_state["step"] else ""
+    path = os.path.join(output_dir, f"{SHARDED_PREFIX}{trainer_state['epoch']}{step}")
     tmp = tempfile.mkdtemp(dir=output_dir, prefix=".dcp.", suffix=".tmp") if RANK == 0 else None
     tmp = all_gather_objects(tmp)[0]  # rank 0's
     optimizer_state = get_optimizer_state_dict(model, optimizer)
@@ -666,7 +696,7 @@ def main_worker(args):
     # DistributedSampler gives each rank a disjoint 1/W of a permutation that depends only on
     # (seed, epoch), so rank r's micro-batches of one step together form the same global batch a
     # single process would take. drop_last: drop the tail instead of padding it with duplicates.
-    train_sampler = torch.utils.data.distributed.DistributedSampler(
+    train_sampler = ResumableSampler(
         train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
     micro_batch = max(1, args.batch_size // world_size // args.grad_accum_steps)  # -e skips the -b checks
     loader_kwargs = {"num_workers": args.workers, "pin_memory": device.type == "cuda"}
@@ -688,7 +718,7 @@ def main_worker(args):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(args, max(1, steps_per_epoch)),
                                                   last_epoch=args.start_epoch * steps_per_epoch - 1)
 
-    best_acc1 = 0.0
+    best_acc1, start_step = 0.0, 0
     resume = args.resume
     if resume == "auto":
         resume = latest_sharded(args.output_dir)
@@ -696,7 +726,7 @@ def main_worker(args):
             log(f"=> --resume auto: no checkpoint in '{args.output_dir}', starting fresh")
     if resume:
         checkpoint = restore(resume, model, optimizer, device, args)
-        args.start_epoch = checkpoint["epoch"]
+        args.start_epoch, start_step = checkpoint["epoch"], checkpoint.get("step", 0)
         best_acc1 = checkpoint["best_acc1"]
         if not args.evaluate:
             scheduler.load_state_dict(checkpoint["scheduler"])
@@ -706,7 +736,7 @@ def main_worker(args):
             else:
                 log(f"=> checkpoint has RNG state for {len(checkpoint['rng'])} ranks, not {world_size}: "
                     "data order stays exact, other random state is reseeded")
-        log(f"=> loaded checkpoint '{resume}' (next epoch {checkpoint['epoch']})")
+        log(f"=> loaded checkpoint '{resume}' (epoch {args.start_epoch}, step {start_step})")
 
     if args.evaluate:
         val = validate(val_loader, model, device)
@@ -714,31 +744,41 @@ def main_worker(args):
                 device=device.type, epoch=args.start_epoch - 1, **{f"val_{k}": v for k, v in val.items()})
         return finish(unwrapped(model, args, num_classes))
 
+    def save(epoch, step, loader_state, is_best=False):
+        """Checkpoint the state after `step` optimizer steps of `epoch` (a whole epoch: epoch + 1, step 0)."""
+        rngs = all_gather_objects(dict(rng_state(), loader=loader_state))  # collective: all ranks' RNG
+        save_sharded(model, optimizer, {"epoch": epoch, "step": step, "arch": args.arch,
+                                        "scheduler": scheduler.state_dict(), "best_acc1": best_acc1,
+                                        "world_size": world_size, "rng": rngs, "args": vars(args)}, args.output_dir)
+        if step:
+            return
+        # And the whole model in one file, for an unwrapped model (inference, fine-tuning, distributed.py -e).
+        # Collective: each sharded parameter is all-gathered in turn onto rank 0's CPU (the others get {}).
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            save_checkpoint({"epoch": epoch, "arch": args.arch, "state_dict": full,
+                             "best_acc1": best_acc1, "world_size": world_size, "args": vars(args)},
+                            is_best, args.output_dir)
+
     for epoch in range(args.start_epoch, args.epochs):
-        # set_epoch reshuffles: without it every epoch would visit the data in the same order.
-        train_sampler.set_epoch(epoch)
+        # set_epoch reshuffles: without it every epoch would visit the data in the same order. After
+        # a mid-epoch checkpoint, the batches it had trained on are skipped, not loaded and dropped.
+        train_sampler.set_epoch(epoch, skip=start_step * args.grad_accum_steps * micro_batch)
         train_set.set_epoch(epoch)
+        # The loader draws its workers' seeds from its generator as the epoch starts: mid-epoch
+        # checkpoints keep the state from before that draw, so a resumed epoch makes the same one.
+        loader_state = train_loader.generator.get_state()
         start = time.perf_counter()
-        train_metrics, train_time, data_wait = train(train_loader, model, criterion, optimizer, scheduler,
-                                                     epoch, steps_per_epoch, device, args)
+        train_metrics, train_time, data_wait = train(train_loader, model, criterion, optimizer, scheduler, epoch,
+                                                     start_step, steps_per_epoch, device, args,
+                                                     lambda step: save(epoch, step, loader_state))
+        start_step = 0
         val = validate(val_loader, model, device)
         epoch_time = time.perf_counter() - start
 
         is_best = val["acc1"] > best_acc1
         best_acc1 = max(val["acc1"], best_acc1)
-        rng = rng_state()
-        rng["loader"] = train_loader.generator.get_state()
-        rngs = all_gather_objects(rng)  # collective: every rank's RNG goes into the checkpoint
-        save_sharded(model, optimizer, {"epoch": epoch + 1, "arch": args.arch, "scheduler": scheduler.state_dict(),
-                                        "best_acc1": best_acc1, "world_size": world_size, "rng": rngs,
-                                        "args": vars(args)}, args.output_dir)
-        # And the whole model in one file, for an unwrapped model (inference, fine-tuning, distributed.py -e).
-        # Collective: each sharded parameter is all-gathered in turn onto rank 0's CPU (the others get {}).
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if rank == 0:
-            save_checkpoint({"epoch": epoch + 1, "arch": args.arch, "state_dict": full,
-                             "best_acc1": best_acc1, "world_size": world_size, "args": vars(args)},
-                            is_best, args.output_dir)
+        save(epoch + 1, 0, train_loader.generator.get_state(), is_best)
         summary("SUMMARY", method=METHOD, launcher=launcher_name(args), world_size=world_size,
                 device=device.type, epoch=epoch, train_loss=train_metrics["loss"], train_acc1=train_metrics["acc1"],
                 val_loss=val["loss"], val_acc1=val["acc1"], val_acc5=val["acc5"], val_count=val["count"],
@@ -747,8 +787,9 @@ def main_worker(args):
     finish(unwrapped(model, args, num_classes), best_acc1=best_acc1)
 
 
-def train(loader, model, criterion, optimizer, scheduler, epoch, steps, device, args):
-    """One epoch. Returns (globally reduced metrics, seconds, seconds spent waiting for data)."""
+def train(loader, model, criterion, optimizer, scheduler, epoch, first_step, steps, device, args, save):
+    """One epoch from optimizer step first_step (after a mid-epoch resume, else 0), calling save(step)
+    every --save-every steps. Returns (globally reduced metrics, seconds, seconds spent waiting for data)."""
     model.train()
     meter = AverageMeter(device)
     progress = ProgressMeter(steps, prefix=f"Epoch: [{epoch}]")
@@ -756,7 +797,7 @@ def train(loader, model, criterion, optimizer, scheduler, epoch, steps, device, 
     batches = iter(loader)
     data_wait = interval_wait = 0.0
     start = interval_start = time.perf_counter()
-    for step in range(steps):
+    for step in range(first_step, steps):
         for micro in range(accum):
             t0 = time.perf_counter()
             images, target = next(batches)
@@ -783,9 +824,11 @@ def train(loader, model, criterion, optimizer, scheduler, epoch, steps, device, 
         if (step + 1) % args.print_freq == 0 or step + 1 == steps:
             metrics = meter.reduced()  # the only host sync: once per print interval
             now = time.perf_counter()
-            done = (step % args.print_freq) + 1
+            done = min(step % args.print_freq, step - first_step) + 1
             progress.display(step + 1, metrics, (now - interval_start) / done, interval_wait / done)
             interval_start, interval_wait = now, 0.0
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < steps:  # the last: main_worker's
+            save(step + 1)
     return meter.reduced(), time.perf_counter() - start, data_wait
 
 

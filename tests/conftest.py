@@ -117,8 +117,24 @@ EQUIV = ["--dummy", "--dummy-samples", 96, "-b", 32, "--epochs", 1, "--norm", "g
 # the rounding is ~1e-16 and no decision flips (measured 2.2e-16 on both), so the tests demand
 # EQUIV_TOLERANCE, far below 1e-5, while a real error (a sum for a mean, a wrong shard, a lost or
 # doubled step) moves weights by more than 1e-3.
-FLOAT64 = {"PYTHONPATH": str(REPO / "tests" / "float64")}
+FLOAT64 = {"PYTHONPATH": str(REPO / "tests" / "hooks"), "COOKBOOK_FLOAT64": "1"}
+
+
+def fault_at(step):
+    """Environment for run(): the step-th optimizer step of each process raises ("every": all do)."""
+    return {"PYTHONPATH": str(REPO / "tests" / "hooks"), "COOKBOOK_FAULT_STEP": str(step)}
 EQUIV_TOLERANCE = 1e-9
+
+
+def resume_mid_epoch(out, interrupted, resumed):
+    """EQUIV in float64 with a checkpoint after every step (--save-every 1), failing in its 3rd and last
+    step; then resumed from --output-dir out. interrupted(args, env) and resumed(args, env) run the
+    trainer under test. Returns the resumed run, which must have started at step 2 of epoch 0."""
+    r = interrupted(["--output-dir", out, "--save-every", 1] + EQUIV, {**FLOAT64, **fault_at(3)})
+    assert r.returncode != 0 and "injected fault: optimizer step 3 fails" in r.stderr, r.stderr
+    r = resumed(["--output-dir", out, "--resume", "auto"] + EQUIV, FLOAT64).check()
+    assert "(epoch 0, step 2)" in r.stdout and "Epoch: [0][3/3]" in r.stdout, r.stdout
+    return r
 
 
 def float64_weights(out):

@@ -1,5 +1,7 @@
 """distributed.py under real launchers: launch, distributed math, exact eval, resume, bad input."""
 import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -9,8 +11,8 @@ import torch
 import torch.nn as nn
 import torchvision
 
-from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, REPO, bad_inputs, float64_weights, launch_command,
-                      load_state, make_data, max_abs_diff, run, stall_a_rank)
+from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, REPO, Result, bad_inputs, fault_at, float64_weights,
+                      launch_command, load_state, make_data, max_abs_diff, resume_mid_epoch, run, stall_a_rank)
 
 sys.path.insert(0, str(REPO))
 import distributed  # noqa: E402  (the script itself, for its pure helpers)
@@ -46,13 +48,13 @@ def test_dummy_data_runs(tmp_path):
 
 
 def test_torchrun_restarts_a_failing_worker_then_shows_its_traceback(tmp_path):
-    """A worker that raises on every attempt (tests/inject_fault: every optimizer step fails): torchrun
+    """A worker that raises on every attempt (tests/hooks: every optimizer step fails): torchrun
     --max-restarts=1 starts the workers twice, then its failure summary holds the worker's traceback,
     which main's @record puts there."""
     command = launch_command("distributed.py", "torchrun", 2)
     command[1:1] = ["--max-restarts=1"]
     args = ["--dummy", "--dummy-samples", 64, "-b", 16, "--epochs", 1, "--output-dir", tmp_path] + FAST
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "tests" / "inject_fault"),
+    env = dict(os.environ, OMP_NUM_THREADS="1", **fault_at("every"),
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # README: restarts need it on torch 2.14
     proc = subprocess.run(command + [str(a) for a in args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
@@ -61,7 +63,7 @@ def test_torchrun_restarts_a_failing_worker_then_shows_its_traceback(tmp_path):
     summary = proc.stderr[proc.stderr.index("Root Cause (first observed failure)"):]
     assert "attempt_1" in summary and "To enable traceback" not in summary
     assert 'in train\n      optimizer.step()' in summary
-    assert "RuntimeError: injected fault: optimizer.step always fails" in summary
+    assert "RuntimeError: injected fault: optimizer step 1 fails" in summary
 
 
 def worker_pid(marker, rank):
@@ -169,6 +171,76 @@ def test_resume_is_bitwise(tiny_data, tmp_path):
     assert straight["scheduler"] == split["scheduler"]
     for pid, state in straight["optimizer"]["state"].items():
         assert torch.equal(state["momentum_buffer"], split["optimizer"]["state"][pid]["momentum_buffer"])
+
+
+def test_mid_epoch_resume_trains_only_the_rest_at_any_world_size(tmp_path, single_process_weights):
+    """2 processes fail in the last step of the epoch; 1 process resumes from their checkpoint after
+    step 2, skipping the 2 batches already trained on: its weights equal one uninterrupted process's
+    (retraining them, or skipping other batches, would not)."""
+    resume_mid_epoch(tmp_path, lambda args, env: run(args, "torchrun", 2, env=env), lambda args, env: run(args, env=env))
+    assert max_abs_diff(float64_weights(tmp_path), single_process_weights) <= EQUIV_TOLERANCE
+
+
+PROGRESS = re.compile(r"Epoch: \[(\d+)\]\[\s*(\d+)/")
+
+
+def test_torchrun_resumes_killed_workers_bitwise(tiny_data, tmp_path):
+    """SIGKILL a worker from outside, 3 times, mid-epoch at different steps: rank 1; rank 0, which
+    writes the checkpoints; rank 1 in the next epoch. torchrun --max-restarts=3 restarts all workers
+    each time, they resume from the last --save-every checkpoint, and the final weights equal an
+    uninterrupted run's bitwise."""
+    args = ["--data", tiny_data, "-b", 16, "--epochs", 2] + FAST + ["-p", 1]  # 6 steps per epoch
+    straight = run(args + ["--output-dir", tmp_path / "straight"], launcher="torchrun", nproc=2).check()
+    out = tmp_path / "killed"
+    command = launch_command("distributed.py", "torchrun", 2)
+    command[1:1] = ["--max-restarts=3"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # README says why
+    with open(tmp_path / "stderr", "w+") as stderr:
+        proc = subprocess.Popen(command + [str(a) for a in args + ["--save-every", 1, "--resume", "auto",
+                                                                    "--output-dir", out]],
+                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        stdout = []
+
+        def read_until(found):
+            for line in proc.stdout:
+                stdout.append(line)
+                if found(line):
+                    return
+            raise AssertionError(f"the run ended first:\n{''.join(stdout)}")
+        try:
+            for epoch, step, rank in [(0, 2, 1), (0, 4, 0), (1, 3, 1)]:
+                # rank 0's progress lines: kill once this attempt has done the step
+                read_until(lambda line: (m := PROGRESS.match(line)) and (int(m[1]), int(m[2])) >= (epoch, step))
+                os.kill(worker_pid(str(out), rank), signal.SIGKILL)
+                read_until(lambda line: line.startswith("=> loaded checkpoint"))  # the restarted workers resumed
+            stdout.extend(proc.stdout)
+            returncode = proc.wait(timeout=120)
+        finally:
+            proc.kill()
+        stderr.seek(0)
+        killed = Result.parse(returncode, "".join(stdout), stderr.read()).check()
+    resumed = [tuple(map(int, m)) for m in re.findall(r"=> loaded checkpoint .* \(epoch (\d+), step (\d+)\)",
+                                                      killed.stdout)]
+    assert len(resumed) == 3 and resumed == sorted(set(resumed)), resumed
+    assert all(step > 0 for _, step in resumed), f"every restart resumes mid-epoch: {resumed}"
+    assert killed.done["state_sha256"] == straight.done["state_sha256"]
+    assert torch.equal(*(load_state(d / "checkpoint.pth")["optimizer"]["state"][0]["momentum_buffer"]
+                         for d in (out, tmp_path / "straight")))
+
+
+def test_resumable_sampler_skips_the_first_global_batches_at_any_world_size():
+    data, batch = list(range(40)), 8
+    for world in (1, 2, 4):
+        for skip_steps in (0, 1, 3):
+            shares = []
+            for rank in range(world):
+                sampler = distributed.ResumableSampler(data, num_replicas=world, rank=rank, seed=5, drop_last=True)
+                sampler.set_epoch(3, skip=skip_steps * batch // world)
+                shares.append(list(sampler))
+                assert len(sampler) == len(shares[-1])
+            whole = distributed.ResumableSampler(data, num_replicas=1, rank=0, seed=5, drop_last=True)
+            whole.set_epoch(3)
+            assert sorted(sum(shares, [])) == sorted(list(whole)[skip_steps * batch:]), (world, skip_steps)
 
 
 def test_seed_is_deterministic_with_loader_workers(tiny_data, tmp_path):

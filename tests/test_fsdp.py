@@ -9,7 +9,7 @@ import pytest
 import torchvision
 
 from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, REPO, RunsCode, assert_bf16_follows_float32, float64_weights,
-                      load_state, max_abs_diff, run)
+                      load_state, max_abs_diff, resume_mid_epoch, run)
 
 sys.path.insert(0, str(REPO))
 import distributed  # noqa: E402  (the reference's state_digest)
@@ -52,12 +52,19 @@ def test_runs_and_resumes_bitwise(straight, tiny_data, tmp_path):
     split = tmp_path / "split"
     fsdp(resume_args(tiny_data) + ["--epochs", 1, "--output-dir", split]).check()
     resumed = fsdp(resume_args(tiny_data) + ["--epochs", 2, "--output-dir", split, "--resume", "auto"]).check()
-    assert f"=> loaded checkpoint '{split / 'dcp-epoch1'}' (next epoch 1)" in resumed.stdout
+    assert f"=> loaded checkpoint '{split / 'dcp-epoch1'}' (epoch 1, step 0)" in resumed.stdout
     assert [s["epoch"] for s in resumed.summaries] == [1]
     # The second epoch's weights depend on the restored momentum, lr schedule and data order too.
     assert resumed.done["state_sha256"] == r.done["state_sha256"]
     assert resumed.summaries[0] | {"epoch_time": 0, "images_per_sec": 0, "data_wait": 0} == \
         r.summaries[1] | {"epoch_time": 0, "images_per_sec": 0, "data_wait": 0}
+
+
+def test_mid_epoch_resume_equals_single_process(tmp_path, single_process_weights):
+    """2 ranks fail in the last step of the epoch; 1 process resumes from the sharded checkpoint of step 2."""
+    resume_mid_epoch(tmp_path, lambda args, env: fsdp(args, env=env), lambda args, env: fsdp(args, nproc=1, env=env))
+    assert [p.name for p in tmp_path.glob("dcp-*")] == ["dcp-epoch1"], "the step checkpoints are removed"
+    assert max_abs_diff(float64_weights(tmp_path), single_process_weights) <= EQUIV_TOLERANCE
 
 
 def test_export_loads_into_a_plain_torchvision_model(straight):

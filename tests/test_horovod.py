@@ -11,7 +11,8 @@ import pytest
 import torch
 import torchvision
 
-from conftest import EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, PYTHON, REPO, float64_weights, load_state, max_abs_diff, run
+from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, PYTHON, REPO, float64_weights, load_state, max_abs_diff,
+                      resume_mid_epoch, run)
 # The DDP reference: the same flags, and distributed.py's single-process weights after one epoch.
 
 SCRIPT = "horovod_distributed.py"
@@ -89,6 +90,12 @@ def test_training_equals_single_process_reference(horovod, tmp_path, single_proc
     if extra:
         assert "(8 per process x 2 micro-batches)" in r.stdout
     assert max_abs_diff(float64_weights(tmp_path), single_process_weights) <= tolerance
+
+
+def test_mid_epoch_resume_equals_single_process_reference(horovod, tmp_path, single_process_weights):
+    """2 ranks fail in the last step of the epoch; 2 ranks resume from the checkpoint after step 2."""
+    resume_mid_epoch(tmp_path, *[lambda args, env: hvd_run(args, nproc=2, env=env)] * 2)
+    assert max_abs_diff(float64_weights(tmp_path), single_process_weights) <= EQUIV_TOLERANCE
 
 
 def test_fp16_allreduce_compresses_gradients(horovod, tmp_path, single_process_weights):

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, REPO, assert_bf16_follows_float32, bad_inputs,
-                      float64_weights, free_port, launch_command, load_state, max_abs_diff, run, stall_a_rank)
+                      float64_weights, free_port, launch_command, load_state, max_abs_diff, resume_mid_epoch, run,
+                      stall_a_rank)
 
 DP, MP, AMP = "dataparallel.py", "multiprocessing_distributed.py", "apex_distributed.py"
 METHOD = {DP: "dataparallel", MP: "ddp-spawn", AMP: "amp"}
@@ -67,6 +68,15 @@ def test_runs_and_resumes_bitwise(script, launcher, nproc, extra, tiny_data, tmp
 def test_training_equals_single_process(script, extra, tolerance, tmp_path, single_process_weights):
     launcher, nproc = LAUNCHER[script]
     run(["--output-dir", tmp_path] + EQUIV + extra, launcher, nproc, script, env=FLOAT64).check()
+    assert max_abs_diff(float64_weights(tmp_path), single_process_weights) <= tolerance
+
+
+@pytest.mark.parametrize("script,extra,tolerance", [(DP, [], 0.0), (MP, [], EQUIV_TOLERANCE),
+                                                    (AMP, ["--amp-dtype", "float32"], EQUIV_TOLERANCE)])
+def test_mid_epoch_resume_equals_single_process(script, extra, tolerance, tmp_path, single_process_weights):
+    """A run that fails in the last step resumes from its --save-every checkpoint after step 2."""
+    launcher, nproc = LAUNCHER[script]
+    resume_mid_epoch(tmp_path, *[lambda args, env: run(args + extra, launcher, nproc, script, env=env)] * 2)
     assert max_abs_diff(float64_weights(tmp_path), single_process_weights) <= tolerance
 
 

@@ -155,7 +155,7 @@ def test_cancelled_job_resumes_from_its_checkpoint(tiny_data, tmp_path, batch_tr
 
     state, resumed = finish(*submit_training(tmp_path, tiny_data, checkpoint.parent, epochs_done + 1, rendezvous))
     resumed.check()
-    assert f"=> loaded checkpoint '{checkpoint}' (next epoch {epochs_done})" in resumed.stdout
+    assert f"=> loaded checkpoint '{checkpoint}' (epoch {epochs_done}, step 0)" in resumed.stdout
     assert [s["epoch"] for s in resumed.summaries] == [epochs_done]
     assert resumed.done["state_sha256"] == batch_training(epochs_done + 1).done["state_sha256"], \
         "the resumed job must end bitwise where an uninterrupted one does"
