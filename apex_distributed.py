@@ -576,6 +576,8 @@ def main_worker(args):
     if steps_per_epoch == 0 and not args.evaluate:
         raise UsageError(f"the train set ({len(train_set)} images) is smaller than one global batch "
                          f"(-b {args.batch_size}): lower -b")
+    if args.save_every < 0:
+        raise UsageError(f"--save-every {args.save_every}: pass a number of steps, or 0 to checkpoint at epoch ends only")
 
     criterion = nn.CrossEntropyLoss()
     if device.type == "cuda" and FusedSGD is not None:
@@ -612,6 +614,9 @@ def main_worker(args):
             raise UsageError(f"checkpoint '{resume}' does not fit this model ({str(e).splitlines()[0]}): "
                              "check -a and the number of classes") from None
         args.start_epoch, start_step = checkpoint["epoch"], checkpoint.get("step", 0)
+        if start_step and checkpoint["args"]["batch_size"] != args.batch_size:  # the steps to skip are its batches
+            raise UsageError(f"checkpoint '{resume}' stopped in an epoch, after step {start_step} of -b "
+                             f"{checkpoint['args']['batch_size']}: resume it with that -b")
         best_acc1 = checkpoint["best_acc1"]
         if not args.evaluate:
             optimizer.load_state_dict(checkpoint["optimizer"])

@@ -240,6 +240,8 @@ def bad_inputs(tiny_data, checkpoint, tmp):
     truncated.write_bytes(checkpoint.read_bytes()[:5000])
     malicious = tmp / "malicious.pth"
     torch.save({"state_dict": RunsCode(str(tmp / "code-ran"))}, malicious)
+    mid_epoch = tmp / "mid-epoch.pth"
+    torch.save(dict(load_state(checkpoint), step=1), mid_epoch)  # as if saved after step 1 of a -b 32 epoch
     not_a_dir = tmp / "not-a-dir"
     not_a_dir.write_text("a file, not a directory")
     data = ["--data", tiny_data, "-b", 32]
@@ -258,6 +260,9 @@ def bad_inputs(tiny_data, checkpoint, tmp):
         "code in checkpoint": (data + ["-e", "--resume", malicious], "python", "cannot load checkpoint"),
         "no such checkpoint": (data + ["--resume", tmp / "none.pth"], "python", "no checkpoint at"),
         "unwritable output dir": (data + ["--output-dir", not_a_dir / "sub"], "python", "cannot write checkpoints"),
+        "negative --save-every": (data + ["--save-every", -1], "python", "--save-every -1: pass a number of steps"),
+        "mid-epoch checkpoint, other -b": (["--data", tiny_data, "-b", 16, "--resume", mid_epoch], "python",
+                                           "after step 1 of -b 32: resume it with that -b"),
         "train set below one batch": (["--data", tiny_data, "-b", 128], "python", "smaller than one global batch"),
         # Met by one rank, in a DataLoader worker: that rank reports it, and torchrun stops the others.
         "corrupt train image": (["--data", corrupt, "-b", 32, "-j", 1], "torchrun",
