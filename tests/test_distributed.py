@@ -173,11 +173,13 @@ def test_resume_is_bitwise(tiny_data, tmp_path):
         assert torch.equal(state["momentum_buffer"], split["optimizer"]["state"][pid]["momentum_buffer"])
 
 
-def test_mid_epoch_resume_trains_only_the_rest_at_any_world_size(tmp_path, single_process_weights):
+@pytest.mark.parametrize("extra", [[], ["--grad-accum-steps", 2]], ids=["whole-batches", "accum2"])
+def test_mid_epoch_resume_trains_only_the_rest_at_any_world_size(extra, tmp_path, single_process_weights):
     """2 processes fail in the last step of the epoch; 1 process resumes from their checkpoint after
     step 2, skipping the 2 batches already trained on: its weights equal one uninterrupted process's
     (retraining them, or skipping other batches, would not)."""
-    resume_mid_epoch(tmp_path, lambda args, env: run(args, "torchrun", 2, env=env), lambda args, env: run(args, env=env))
+    resume_mid_epoch(tmp_path, lambda args, env: run(args + extra, "torchrun", 2, env=env),
+                     lambda args, env: run(args + extra, env=env))
     assert max_abs_diff(float64_weights(tmp_path), single_process_weights) <= EQUIV_TOLERANCE
 
 
