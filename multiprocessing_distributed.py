@@ -427,6 +427,9 @@ def setup_distributed(args):
                               or args.batch_size % (world_size * args.grad_accum_steps)):
         raise UsageError(f"global batch -b {args.batch_size} must be a multiple of world size {world_size} "
                          f"x --grad-accum-steps {args.grad_accum_steps}")
+    if not args.evaluate and args.norm == "batch" and not args.sync_bn and args.batch_size == world_size * args.grad_accum_steps:
+        raise UsageError(f"-b {args.batch_size} leaves 1 image per process and micro-batch, too few for BatchNorm's "
+                         "statistics: raise -b, or pass --norm group (or --sync-bn on GPUs)")
     if RANK == 0 and not args.evaluate:
         try:
             os.makedirs(args.output_dir, exist_ok=True)

@@ -253,6 +253,7 @@ def bad_inputs(tiny_data, checkpoint, tmp):
         "empty class folder": (["--data", empty_class], "python", "bad dataset"),
         "unknown arch": (data + ["-a", "resnet19"], "python", "unknown --arch 'resnet19': did you mean resnet18"),
         "batch below world size": (["--data", tiny_data, "-b", 1], "torchrun", "must be a multiple of world size 2"),
+        "one image per process": (["--data", tiny_data, "-b", 2], "torchrun", "-b 2 leaves 1 image per process"),
         "sync-bn on cpu": (data + ["--sync-bn"], "python", "--sync-bn needs CUDA"),
         "other arch checkpoint": (data + ["-a", "resnet34", "-e", "--resume", checkpoint], "python",
                                   "is for arch 'resnet18', not 'resnet34'"),

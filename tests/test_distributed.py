@@ -287,7 +287,7 @@ def test_demo_run_learns(tmp_path):
 # ---- bad input: one clear line, non-zero exit, no traceback ----
 
 BAD = ["missing data dir", "no data at all", "empty data dir", "val class missing", "empty class folder",
-       "unknown arch", "batch below world size", "sync-bn on cpu", "other arch checkpoint",
+       "unknown arch", "batch below world size", "one image per process", "sync-bn on cpu", "other arch checkpoint",
        "truncated checkpoint", "code in checkpoint", "no such checkpoint", "unwritable output dir",
        "train set below one batch", "corrupt train image", "negative --save-every", "mid-epoch checkpoint, other -b"]
 
