@@ -438,7 +438,8 @@ def setup_distributed(args):
                               or args.batch_size % (world_size * args.grad_accum_steps)):
         raise UsageError(f"global batch -b {args.batch_size} must be a multiple of world size {world_size} "
                          f"x --grad-accum-steps {args.grad_accum_steps}")
-    if not args.evaluate and args.norm == "batch" and not args.sync_bn and args.batch_size == world_size * args.grad_accum_steps:
+    if (not args.evaluate and args.norm == "batch" and not args.sync_bn
+            and args.batch_size == world_size * args.grad_accum_steps):
         raise UsageError(f"-b {args.batch_size} leaves 1 image per process and micro-batch, too few for BatchNorm's "
                          "statistics: raise -b, or pass --norm group (or --sync-bn on GPUs)")
     if RANK == 0 and not args.evaluate:
@@ -580,7 +581,8 @@ def main_worker(args):
         raise UsageError(f"the train set ({len(train_set)} images) is smaller than one global batch "
                          f"(-b {args.batch_size}): lower -b")
     if args.save_every < 0:
-        raise UsageError(f"--save-every {args.save_every}: pass a number of steps, or 0 to checkpoint at epoch ends only")
+        raise UsageError(f"--save-every {args.save_every}: pass a number of steps, or 0 to checkpoint at epoch "
+                         "ends only")
 
     criterion = nn.CrossEntropyLoss()
     if device.type == "cuda" and FusedSGD is not None:

@@ -457,7 +457,8 @@ def main_worker(args):
         raise UsageError(f"the train set ({len(train_set)} images) is smaller than one global batch "
                          f"(-b {args.batch_size}): lower -b")
     if args.save_every < 0:
-        raise UsageError(f"--save-every {args.save_every}: pass a number of steps, or 0 to checkpoint at epoch ends only")
+        raise UsageError(f"--save-every {args.save_every}: pass a number of steps, or 0 to checkpoint at epoch "
+                         "ends only")
 
     criterion = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), args.lr * args.batch_size / 256,

@@ -81,9 +81,6 @@ def parse_args(argv=None):
                         help="ramp the lr linearly from ~0 to its value over this many epochs, per step")
     parser.add_argument("--lr-step-size", type=int, default=30, help="multiply the lr by --lr-gamma every N epochs")
     parser.add_argument("--lr-gamma", type=float, default=0.1, help="lr decay factor of the step schedule")
-    parser.add_argument("--save-every", type=int, default=0, metavar="N",
-                        help="also checkpoint every N optimizer steps within an epoch (0: at epoch ends only); "
-                             "a run resumed from one skips the batches already trained on")
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     parser.add_argument("--wd", "--weight-decay", type=float, default=1e-4, dest="weight_decay", help="weight decay")
     parser.add_argument("-p", "--print-freq", type=int, default=10,
@@ -91,6 +88,9 @@ def parse_args(argv=None):
     parser.add_argument("--output-dir", default="checkpoints",
                         help="where every rank writes its checkpoint shards (on a filesystem all nodes see) and "
                              "rank 0 the single-file checkpoint.pth export")
+    parser.add_argument("--save-every", type=int, default=0, metavar="N",
+                        help="also checkpoint every N optimizer steps within an epoch (0: at epoch ends only); "
+                             "a run resumed from one skips the batches already trained on")
     parser.add_argument("--resume", default="", metavar="PATH",
                         help="sharded checkpoint directory (dcp-epochN) to resume from, or 'auto' for the latest in "
                              "--output-dir (fresh start if none); with -e also a single-file .pth checkpoint")
@@ -579,7 +579,8 @@ def setup_distributed(args):
                               or args.batch_size % (world_size * args.grad_accum_steps)):
         raise UsageError(f"global batch -b {args.batch_size} must be a multiple of world size {world_size} "
                          f"x --grad-accum-steps {args.grad_accum_steps}")
-    if not args.evaluate and args.norm == "batch" and not args.sync_bn and args.batch_size == world_size * args.grad_accum_steps:
+    if (not args.evaluate and args.norm == "batch" and not args.sync_bn
+            and args.batch_size == world_size * args.grad_accum_steps):
         raise UsageError(f"-b {args.batch_size} leaves 1 image per process and micro-batch, too few for BatchNorm's "
                          "statistics: raise -b, or pass --norm group (or --sync-bn on GPUs)")
     if RANK == 0 and not args.evaluate:
@@ -713,7 +714,8 @@ def main_worker(args):
         raise UsageError(f"the train set ({len(train_set)} images) is smaller than one global batch "
                          f"(-b {args.batch_size}): lower -b")
     if args.save_every < 0:
-        raise UsageError(f"--save-every {args.save_every}: pass a number of steps, or 0 to checkpoint at epoch ends only")
+        raise UsageError(f"--save-every {args.save_every}: pass a number of steps, or 0 to checkpoint at epoch "
+                         "ends only")
 
     criterion = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), args.lr * args.batch_size / 256,

@@ -47,17 +47,23 @@ def test_dummy_data_runs(tmp_path):
     assert r.summaries[0]["val_count"] == 6 and r.summaries[0]["images_per_sec"] > 0
 
 
+def restarting_torchrun(restarts, args, **env):
+    """The command line and environment of distributed.py under `torchrun --max-restarts=restarts`."""
+    command = launch_command("distributed.py", "torchrun", 2)
+    command[1:1] = [f"--max-restarts={restarts}"]
+    # README: restarts need a fresh rendezvous store per attempt on torch 2.14
+    return command + [str(a) for a in args], dict(os.environ, OMP_NUM_THREADS="1",
+                                                  TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **env)
+
+
 def test_torchrun_restarts_a_failing_worker_then_shows_its_traceback(tmp_path):
     """A worker that raises on every attempt (tests/hooks: every optimizer step fails): torchrun
     --max-restarts=1 starts the workers twice, then its failure summary holds the worker's traceback,
     which main's @record puts there."""
-    command = launch_command("distributed.py", "torchrun", 2)
-    command[1:1] = ["--max-restarts=1"]
-    args = ["--dummy", "--dummy-samples", 64, "-b", 16, "--epochs", 1, "--output-dir", tmp_path] + FAST
-    env = dict(os.environ, OMP_NUM_THREADS="1", **fault_at("every"),
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # README: restarts need it on torch 2.14
-    proc = subprocess.run(command + [str(a) for a in args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+    command, env = restarting_torchrun(
+        1, ["--dummy", "--dummy-samples", 64, "-b", 16, "--epochs", 1, "--output-dir", tmp_path] + FAST,
+        **fault_at("every"))
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert proc.stdout.count("=> ddp: world size 2") == 2, "torchrun restarts the workers once"
     summary = proc.stderr[proc.stderr.index("Root Cause (first observed failure)"):]
@@ -194,13 +200,9 @@ def test_torchrun_resumes_killed_workers_bitwise(tiny_data, tmp_path):
     args = ["--data", tiny_data, "-b", 16, "--epochs", 2] + FAST + ["-p", 1]  # 6 steps per epoch
     straight = run(args + ["--output-dir", tmp_path / "straight"], launcher="torchrun", nproc=2).check()
     out = tmp_path / "killed"
-    command = launch_command("distributed.py", "torchrun", 2)
-    command[1:1] = ["--max-restarts=3"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # README says why
+    command, env = restarting_torchrun(3, args + ["--save-every", 1, "--resume", "auto", "--output-dir", out])
     with open(tmp_path / "stderr", "w+") as stderr:
-        proc = subprocess.Popen(command + [str(a) for a in args + ["--save-every", 1, "--resume", "auto",
-                                                                    "--output-dir", out]],
-                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
         stdout = []
 
         def read_until(found):
