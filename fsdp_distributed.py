@@ -15,6 +15,7 @@ CPU + gloo.
 """
 import argparse
 import difflib
+import gc
 import glob
 import hashlib
 import itertools
@@ -653,6 +654,11 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         main_worker(args)
+        # fully_shard's modules reach themselves through their hooks and state, so they outlive
+        # main_worker until a cyclic garbage collection. Left to the one at interpreter exit, their
+        # freeing (and that of the gloo work they hold) can abort the process (seen once in CI): free
+        # them now, while the interpreter is whole.
+        gc.collect()
     except UsageError as e:
         report(e)
         sys.exit(2)
