@@ -92,19 +92,19 @@ def parse_args(argv=None):
 # ---- shared helpers: byte-identical in every script of the cookbook (tests/test_consistency.py) ----
 
 class UsageError(Exception):
-    """A problem with the user's input: reported as one line, without a traceback."""
+    """A problem with the user's input, that every rank meets: global rank 0 reports it as one line."""
 
 
-class UnreadableImage(UsageError):
-    """An image file that cannot be decoded: only the rank whose shard holds it meets it."""
+class LocalError(UsageError):
+    """A problem that only some ranks meet (an image in their shard, a node short of GPUs): the rank
+    that meets it reports it, and the launcher stops the others."""
 
 
 def report(error):
-    """Print a UsageError as one line: by global rank 0 when every rank met the same one; by the
-    rank that met it when it is an UnreadableImage (the others are stopped by the launcher)."""
-    if RANK == 0 or isinstance(error, UnreadableImage):
+    """Print a UsageError as one line, without a traceback: by global rank 0, or where a LocalError arose."""
+    if RANK == 0 or isinstance(error, LocalError):
         # Raised in a DataLoader worker, it comes back with the worker's traceback before its message.
-        message = str(error).rsplit(f"{UnreadableImage.__name__}: ", 1)[-1].strip()
+        message = str(error).rsplit(f"{type(error).__name__}: ", 1)[-1].strip()
         print(f"error: {message}", file=sys.stderr, flush=True)
 
 
@@ -113,7 +113,7 @@ def load_image(path):
     try:
         return datasets.folder.pil_loader(path)
     except (OSError, SyntaxError, ValueError) as e:  # what PIL raises for undecodable data
-        raise UnreadableImage(f"cannot read image '{path}' ({e}): replace or delete the file") from None
+        raise LocalError(f"cannot read image '{path}' ({e}): replace or delete the file") from None
 
 
 def log(*args, **kwargs):
@@ -306,18 +306,30 @@ def lr_schedule(args, steps_per_epoch):
     return factor
 
 
-def rng_state():
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+def rng_state(devices):
+    """Every random generator this process draws from: the CPU's, Python's, and those of the GPUs in
+    `devices` (the ones it trains on: --cpu never starts CUDA). CPU tensors, so it loads anywhere."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "devices": [torch.get_device_module(d).get_rng_state(d) for d in devices if d.type != "cpu"]}
 
 
-def set_rng_state(state):
+def set_rng_state(state, devices):
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    # A checkpoint written on the CPU has no GPU state: the GPUs keep their seeded generators.
+    for device, device_state in zip([d for d in devices if d.type != "cpu"], state["devices"]):
+        torch.get_device_module(device).set_rng_state(device_state, device)
+
+
+def to_cpu(state):
+    """A copy of a (nested) state with every tensor on the CPU, so the checkpoint opens on any machine."""
+    if isinstance(state, torch.Tensor):
+        return state.cpu()
+    if isinstance(state, dict):
+        return {key: to_cpu(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(to_cpu(value) for value in state)
+    return state
 
 
 def save_checkpoint(state, is_best, output_dir):
@@ -327,7 +339,7 @@ def save_checkpoint(state, is_best, output_dir):
     fd, tmp = tempfile.mkstemp(dir=output_dir, prefix=".checkpoint.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
+            torch.save(to_cpu(state), f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -342,12 +354,16 @@ def save_checkpoint(state, is_best, output_dir):
         raise
 
 
-def load_checkpoint(path, device, arch):
-    """Load a checkpoint written by save_checkpoint; weights_only=True never runs pickled code."""
+def load_checkpoint(path, arch):
+    """Load a checkpoint written by save_checkpoint; weights_only=True never runs pickled code.
+
+    Everything is loaded onto the CPU, whatever device wrote it: load_state_dict then copies the
+    weights to the model's device, and the RNG states must stay CPU tensors.
+    """
     if not os.path.isfile(path):
         raise UsageError(f"no checkpoint at '{path}': pass an existing file to --resume (or --resume auto)")
     try:
-        checkpoint = torch.load(path, map_location=device, weights_only=True)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"cannot load checkpoint '{path}' (truncated, corrupt or not a plain-tensor "
@@ -358,6 +374,15 @@ def load_checkpoint(path, device, arch):
         raise UsageError(f"checkpoint '{path}' is for arch '{checkpoint.get('arch')}', not '{arch}': "
                          f"pass -a {checkpoint.get('arch')} or another checkpoint")
     return checkpoint
+
+
+def load_optimizer_state(optimizer, state):
+    """optimizer.load_state_dict, but keeping this run's choice of implementation (fused or foreach),
+    which the checkpoint's param groups would otherwise replace with the saving run's."""
+    chosen = [{key: group[key] for key in ("fused", "foreach") if key in group} for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, keep in zip(optimizer.param_groups, chosen):
+        group.update(keep)
 
 
 def state_digest(module):
@@ -393,20 +418,27 @@ def setup_device(args):
             tempfile.TemporaryFile(dir=args.output_dir).close()
         except OSError as e:
             raise UsageError(f"cannot write checkpoints to --output-dir '{args.output_dir}': {e.strerror}") from None
-    if args.cpu or not torch.cuda.is_available():
-        if args.gpus is not None:
-            raise UsageError("--gpus needs CUDA GPUs, and none are visible (or --cpu was given): drop --gpus")
-        log("=> no GPU visible (or --cpu): DataParallel needs GPUs, so this trains on the CPU in one process")
-        return torch.device("cpu"), []
-    count = torch.cuda.device_count()
-    gpus = args.gpus if args.gpus is not None else list(range(count))
+    accelerator = None if args.cpu else torch.accelerator.current_accelerator(check_available=True)
+    count = torch.accelerator.device_count() if accelerator else 0
+    if accelerator is None and args.gpus is not None:
+        raise UsageError("--gpus needs CUDA GPUs, and none are visible (or --cpu was given): drop --gpus")
+    gpus = [] if accelerator is None else args.gpus if args.gpus is not None else list(range(count))
     if len(set(gpus)) != len(gpus) or not all(0 <= gpu < count for gpu in gpus):
         raise UsageError(f"--gpus {','.join(map(str, gpus))}: pass distinct ids of the {count} visible GPUs "
                          f"(0 to {count - 1})")
+    # Each replica's BatchNorm normalises over its own chunk of the micro-batch, and DataParallel cuts
+    # it as torch.chunk does: 5 images over 4 GPUs make chunks of 2, 2 and 1.
+    shares = torch.arange(args.batch_size // args.grad_accum_steps).chunk(max(1, len(gpus)))
+    if not args.evaluate and args.norm == "batch" and min(map(len, shares)) < 2:
+        raise UsageError(f"-b {args.batch_size} leaves 1 image to a GPU (or micro-batch), too few for BatchNorm's "
+                         "statistics: raise -b, or pass --norm group")
+    if not gpus:
+        log("=> no GPU visible (or --cpu): DataParallel needs GPUs, so this trains on the CPU in one process")
+        return torch.device("cpu"), []
     # DataParallel keeps the model and gathers outputs and gradients on the first listed GPU: make
-    # it the current device before any CUDA work, so nothing lands on GPU 0 by accident.
-    torch.cuda.set_device(gpus[0])
-    return torch.device("cuda", gpus[0]), gpus
+    # it the current device before any GPU work, so nothing lands on GPU 0 by accident.
+    torch.accelerator.set_device_index(gpus[0])
+    return torch.device(accelerator.type, gpus[0]), gpus
 
 
 def main(argv=None):
@@ -437,6 +469,7 @@ def main_worker(args):
         # BatchNorm running statistics, computed from its share of the batch.
         model = nn.DataParallel(model, device_ids=gpus)
     module = model.module if gpus else model
+    devices = [torch.device(device.type, gpu) for gpu in gpus] or [device]  # each runs a replica: all their RNGs
     log(f"=> {METHOD}: one process, GPUs {gpus or 'none'}, device {device.type}, arch {args.arch}, "
         f"batch {args.batch_size} ({args.batch_size // args.grad_accum_steps} per micro-batch "
         f"x {args.grad_accum_steps} micro-batches)")
@@ -447,7 +480,7 @@ def main_worker(args):
     # the permutation distributed.py's ranks share out, and runs compare with it directly.
     train_sampler = ResumableSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=seed, drop_last=True)
     micro_batch = max(1, args.batch_size // args.grad_accum_steps)  # -e skips the -b checks
-    loader_kwargs = {"num_workers": args.workers, "pin_memory": device.type == "cuda"}
+    loader_kwargs = {"num_workers": args.workers, "pin_memory": device.type != "cpu"}
     train_loader = torch.utils.data.DataLoader(
         train_set, batch_size=micro_batch, sampler=train_sampler, drop_last=True,
         generator=torch.Generator().manual_seed(seed), **loader_kwargs)
@@ -476,7 +509,7 @@ def main_worker(args):
             log(f"=> --resume auto: no checkpoint in '{args.output_dir}', starting fresh")
             resume = ""
     if resume:
-        checkpoint = load_checkpoint(resume, device, args.arch)
+        checkpoint = load_checkpoint(resume, args.arch)
         try:
             module.load_state_dict(checkpoint["state_dict"])
         except RuntimeError as e:
@@ -488,10 +521,10 @@ def main_worker(args):
                              f"{checkpoint['args']['batch_size']}: resume it with that -b")
         best_acc1 = checkpoint["best_acc1"]
         if not args.evaluate:
-            optimizer.load_state_dict(checkpoint["optimizer"])
+            load_optimizer_state(optimizer, checkpoint["optimizer"])
             scheduler.load_state_dict(checkpoint["scheduler"])
             if len(checkpoint["rng"]) == 1:
-                set_rng_state(checkpoint["rng"][0])
+                set_rng_state(checkpoint["rng"][0], devices)
                 train_loader.generator.set_state(checkpoint["rng"][0]["loader"])
             else:
                 log(f"=> checkpoint has RNG state for {len(checkpoint['rng'])} ranks, not one process: "
@@ -508,7 +541,7 @@ def main_worker(args):
         """Checkpoint the state after `step` optimizer steps of `epoch` (a whole epoch: epoch + 1, step 0)."""
         save_checkpoint({"epoch": epoch, "step": step, "arch": args.arch, "state_dict": module.state_dict(),
                          "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                         "best_acc1": best_acc1, "world_size": 1, "rng": [dict(rng_state(), loader=loader_state)],
+                         "best_acc1": best_acc1, "world_size": 1, "rng": [dict(rng_state(devices), loader=loader_state)],
                          "args": vars(args)}, is_best, args.output_dir)
 
     for epoch in range(args.start_epoch, args.epochs):

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 METHOD = "fsdp"
@@ -116,19 +117,19 @@ def parse_args(argv=None):
 # ---- shared helpers: byte-identical in every script of the cookbook (tests/test_consistency.py) ----
 
 class UsageError(Exception):
-    """A problem with the user's input: reported as one line, without a traceback."""
+    """A problem with the user's input, that every rank meets: global rank 0 reports it as one line."""
 
 
-class UnreadableImage(UsageError):
-    """An image file that cannot be decoded: only the rank whose shard holds it meets it."""
+class LocalError(UsageError):
+    """A problem that only some ranks meet (an image in their shard, a node short of GPUs): the rank
+    that meets it reports it, and the launcher stops the others."""
 
 
 def report(error):
-    """Print a UsageError as one line: by global rank 0 when every rank met the same one; by the
-    rank that met it when it is an UnreadableImage (the others are stopped by the launcher)."""
-    if RANK == 0 or isinstance(error, UnreadableImage):
+    """Print a UsageError as one line, without a traceback: by global rank 0, or where a LocalError arose."""
+    if RANK == 0 or isinstance(error, LocalError):
         # Raised in a DataLoader worker, it comes back with the worker's traceback before its message.
-        message = str(error).rsplit(f"{UnreadableImage.__name__}: ", 1)[-1].strip()
+        message = str(error).rsplit(f"{type(error).__name__}: ", 1)[-1].strip()
         print(f"error: {message}", file=sys.stderr, flush=True)
 
 
@@ -137,7 +138,7 @@ def load_image(path):
     try:
         return datasets.folder.pil_loader(path)
     except (OSError, SyntaxError, ValueError) as e:  # what PIL raises for undecodable data
-        raise UnreadableImage(f"cannot read image '{path}' ({e}): replace or delete the file") from None
+        raise LocalError(f"cannot read image '{path}' ({e}): replace or delete the file") from None
 
 
 def log(*args, **kwargs):
@@ -330,18 +331,30 @@ def lr_schedule(args, steps_per_epoch):
     return factor
 
 
-def rng_state():
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+def rng_state(devices):
+    """Every random generator this process draws from: the CPU's, Python's, and those of the GPUs in
+    `devices` (the ones it trains on: --cpu never starts CUDA). CPU tensors, so it loads anywhere."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "devices": [torch.get_device_module(d).get_rng_state(d) for d in devices if d.type != "cpu"]}
 
 
-def set_rng_state(state):
+def set_rng_state(state, devices):
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    # A checkpoint written on the CPU has no GPU state: the GPUs keep their seeded generators.
+    for device, device_state in zip([d for d in devices if d.type != "cpu"], state["devices"]):
+        torch.get_device_module(device).set_rng_state(device_state, device)
+
+
+def to_cpu(state):
+    """A copy of a (nested) state with every tensor on the CPU, so the checkpoint opens on any machine."""
+    if isinstance(state, torch.Tensor):
+        return state.cpu()
+    if isinstance(state, dict):
+        return {key: to_cpu(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(to_cpu(value) for value in state)
+    return state
 
 
 def save_checkpoint(state, is_best, output_dir):
@@ -351,7 +364,7 @@ def save_checkpoint(state, is_best, output_dir):
     fd, tmp = tempfile.mkstemp(dir=output_dir, prefix=".checkpoint.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
+            torch.save(to_cpu(state), f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -366,12 +379,16 @@ def save_checkpoint(state, is_best, output_dir):
         raise
 
 
-def load_checkpoint(path, device, arch):
-    """Load a checkpoint written by save_checkpoint; weights_only=True never runs pickled code."""
+def load_checkpoint(path, arch):
+    """Load a checkpoint written by save_checkpoint; weights_only=True never runs pickled code.
+
+    Everything is loaded onto the CPU, whatever device wrote it: load_state_dict then copies the
+    weights to the model's device, and the RNG states must stay CPU tensors.
+    """
     if not os.path.isfile(path):
         raise UsageError(f"no checkpoint at '{path}': pass an existing file to --resume (or --resume auto)")
     try:
-        checkpoint = torch.load(path, map_location=device, weights_only=True)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"cannot load checkpoint '{path}' (truncated, corrupt or not a plain-tensor "
@@ -382,6 +399,15 @@ def load_checkpoint(path, device, arch):
         raise UsageError(f"checkpoint '{path}' is for arch '{checkpoint.get('arch')}', not '{arch}': "
                          f"pass -a {checkpoint.get('arch')} or another checkpoint")
     return checkpoint
+
+
+def load_optimizer_state(optimizer, state):
+    """optimizer.load_state_dict, but keeping this run's choice of implementation (fused or foreach),
+    which the checkpoint's param groups would otherwise replace with the saving run's."""
+    chosen = [{key: group[key] for key in ("fused", "foreach") if key in group} for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, keep in zip(optimizer.param_groups, chosen):
+        group.update(keep)
 
 
 def state_digest(module):
@@ -428,7 +454,7 @@ def broadcast_buffers(module):
             dist.broadcast(buffer, src=0)
 
 
-def shard_model(model, args):
+def shard_model(model, mesh, args):
     """fully_shard each block, then the root (it takes the rest: a ResNet's stem and fc).
 
     Each call makes one unit: its parameters are sharded over the ranks, all-gathered together
@@ -446,13 +472,14 @@ def shard_model(model, args):
         # the bf16 activations as they are (as under autocast) and hands bf16 on.
         for norm in model.modules():
             if isinstance(norm, nn.modules.batchnorm._BatchNorm):
-                fully_shard(norm, mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype, output_dtype=param_dtype))
+                fully_shard(norm, mesh=mesh,
+                            mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype, output_dtype=param_dtype))
     for block in model.children():
         if isinstance(block, nn.Sequential):
-            fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype))
+            fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype))
     # Under a cast, float32 logits out of the root: the loss and top-k are computed in float32.
-    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype,
-                                                      output_dtype=torch.float32 if param_dtype else None))
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype,
+                                                                 output_dtype=torch.float32 if param_dtype else None))
 
 
 def unwrapped(model, args, num_classes):
@@ -538,7 +565,7 @@ def restore(path, model, optimizer, device, args):
     if not single_file and not os.path.isfile(os.path.join(path, TRAINER_STATE)):
         raise UsageError(f"no sharded checkpoint at '{path}': pass a {SHARDED_PREFIX}N directory of --output-dir "
                          "to --resume, or --resume auto (a single-file .pth checkpoint only with -e)")
-    checkpoint = load_checkpoint(path, device, args.arch) if single_file else None
+    checkpoint = load_checkpoint(path, args.arch) if single_file else None
     try:
         if single_file:
             set_model_state_dict(model, checkpoint["state_dict"], options=StateDictOptions(full_state_dict=True))
@@ -570,12 +597,16 @@ def setup_distributed(args):
     """
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = args.local_rank if args.local_rank is not None else int(os.environ.get("LOCAL_RANK", 0))
-    use_cuda = torch.cuda.is_available() and not args.cpu
-    if args.sync_bn and not use_cuda:
+    # The accelerator torch was built for (CUDA here) if one is visible, else the CPU; --cpu forces it.
+    accelerator = None if args.cpu else torch.accelerator.current_accelerator(check_available=True)
+    if args.sync_bn and (accelerator is None or accelerator.type != "cuda"):
         raise UsageError("--sync-bn needs CUDA: SyncBatchNorm works only with CUDA modules (drop --sync-bn on CPU)")
-    # bf16 also runs on the CPU (gloo carries it; slow without AVX512-BF16/AMX), so the tests cover it there.
-    if "bfloat16" in (args.param_dtype, args.reduce_dtype) and use_cuda and not torch.cuda.is_bf16_supported():
-        raise UsageError("--param-dtype/--reduce-dtype bfloat16 needs an Ampere or newer GPU: leave it out or use float32")
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes on this node, from the launcher
+    if accelerator is not None and local_world_size > torch.accelerator.device_count():
+        # All processes of this node fail alike: its local rank 0 says why (rank 0 may be on another node).
+        raise (LocalError if local_rank == 0 else UsageError)(
+            f"{local_world_size} processes on this node, which shows {torch.accelerator.device_count()} GPU(s): "
+            "start at most one process per GPU")
     if not args.evaluate and (args.batch_size < world_size * args.grad_accum_steps
                               or args.batch_size % (world_size * args.grad_accum_steps)):
         raise UsageError(f"global batch -b {args.batch_size} must be a multiple of world size {world_size} "
@@ -590,17 +621,23 @@ def setup_distributed(args):
             tempfile.TemporaryFile(dir=args.output_dir).close()
         except OSError as e:
             raise UsageError(f"cannot write checkpoints to --output-dir '{args.output_dir}': {e.strerror}") from None
-    if use_cuda:
-        # Pick this process's GPU before any CUDA work, so nothing is allocated on GPU 0 by accident.
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
+    if accelerator is None:
         device = torch.device("cpu")
+    else:
+        # Pick this process's GPU before any GPU work, so nothing is allocated on GPU 0 by accident.
+        torch.accelerator.set_device_index(local_rank)
+        device = torch.device(accelerator.type, local_rank)
+    # bf16 also runs on the CPU (gloo carries it; slow without AVX512-BF16/AMX), so the tests cover it there.
+    # including_emulation=False: older GPUs run bf16 only emulated (the default True says they support it).
+    if ("bfloat16" in (args.param_dtype, args.reduce_dtype) and device.type == "cuda"
+            and not torch.cuda.is_bf16_supported(including_emulation=False)):
+        raise UsageError("--param-dtype/--reduce-dtype bfloat16 needs an Ampere or newer GPU: leave it out or use float32")
     if world_size > 1:
-        backend = "nccl" if use_cuda else "gloo"
         try:
-            dist.init_process_group(backend, timeout=timedelta(seconds=args.dist_timeout),
-                                    device_id=device if use_cuda else None)
+            # nccl on GPUs, gloo on the CPU; device_id binds the group to this GPU (none on the CPU).
+            dist.init_process_group(dist.get_default_backend_for_device(device),
+                                    timeout=timedelta(seconds=args.dist_timeout),
+                                    device_id=None if device.type == "cpu" else device)
         except dist.DistNetworkError as e:
             raise UsageError(f"cannot join the process group at {os.environ.get('MASTER_ADDR')}:"
                              f"{os.environ.get('MASTER_PORT')} ({str(e).splitlines()[0]}): if the port is "
@@ -608,8 +645,8 @@ def setup_distributed(args):
     else:
         # fully_shard needs a process group even for one process (a mesh of one rank): one on an
         # in-memory store, so a plain `python fsdp_distributed.py` needs no launcher or port.
-        dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
-                                device_id=device if use_cuda else None)
+        dist.init_process_group(dist.get_default_backend_for_device(device), store=dist.HashStore(), rank=0,
+                                world_size=1, device_id=None if device.type == "cpu" else device)
     return RANK, world_size, local_rank, device
 
 
@@ -696,7 +733,9 @@ def main_worker(args):
     # own slice of its own random initialisation. Start from rank 0's, as DDP does.
     for tensor in model.state_dict().values():
         dist.broadcast(tensor, src=0)
-    shard_model(model, args)
+    # One mesh of all ranks on this process's device type: without one, fully_shard builds it on the
+    # accelerator torch was built for, even under --cpu (CUDA tensors, a gloo group: it fails).
+    shard_model(model, init_device_mesh(device.type, (world_size,)), args)
     log(f"=> {METHOD}: world size {world_size}, device {device.type}, arch {args.arch}, "
         f"global batch {args.batch_size} ({args.batch_size // world_size // args.grad_accum_steps} per process "
         f"x {args.grad_accum_steps} micro-batches), launcher {launcher_name(args)}")
@@ -709,7 +748,7 @@ def main_worker(args):
     train_sampler = ResumableSampler(
         train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
     micro_batch = max(1, args.batch_size // world_size // args.grad_accum_steps)  # -e skips the -b checks
-    loader_kwargs = {"num_workers": args.workers, "pin_memory": device.type == "cuda"}
+    loader_kwargs = {"num_workers": args.workers, "pin_memory": device.type != "cpu"}
     train_loader = torch.utils.data.DataLoader(
         train_set, batch_size=micro_batch, sampler=train_sampler, drop_last=True,
         generator=torch.Generator().manual_seed(seed + rank), **loader_kwargs)
@@ -747,7 +786,7 @@ def main_worker(args):
         if not args.evaluate:
             scheduler.load_state_dict(checkpoint["scheduler"])
             if len(checkpoint["rng"]) == world_size:
-                set_rng_state(checkpoint["rng"][rank])
+                set_rng_state(checkpoint["rng"][rank], [device])
                 train_loader.generator.set_state(checkpoint["rng"][rank]["loader"])
             else:
                 log(f"=> checkpoint has RNG state for {len(checkpoint['rng'])} ranks, not {world_size}: "
@@ -762,7 +801,7 @@ def main_worker(args):
 
     def save(epoch, step, loader_state, is_best=False):
         """Checkpoint the state after `step` optimizer steps of `epoch` (a whole epoch: epoch + 1, step 0)."""
-        rngs = all_gather_objects(dict(rng_state(), loader=loader_state))  # collective: all ranks' RNG
+        rngs = all_gather_objects(dict(rng_state([device]), loader=loader_state))  # collective: all ranks' RNG
         save_sharded(model, optimizer, {"epoch": epoch, "step": step, "arch": args.arch,
                                         "scheduler": scheduler.state_dict(), "best_acc1": best_acc1,
                                         "world_size": world_size, "rng": rngs, "args": vars(args)}, args.output_dir)

@@ -101,19 +101,19 @@ def parse_args(argv=None):
 # ---- shared helpers: byte-identical in every script of the cookbook (tests/test_consistency.py) ----
 
 class UsageError(Exception):
-    """A problem with the user's input: reported as one line, without a traceback."""
+    """A problem with the user's input, that every rank meets: global rank 0 reports it as one line."""
 
 
-class UnreadableImage(UsageError):
-    """An image file that cannot be decoded: only the rank whose shard holds it meets it."""
+class LocalError(UsageError):
+    """A problem that only some ranks meet (an image in their shard, a node short of GPUs): the rank
+    that meets it reports it, and the launcher stops the others."""
 
 
 def report(error):
-    """Print a UsageError as one line: by global rank 0 when every rank met the same one; by the
-    rank that met it when it is an UnreadableImage (the others are stopped by the launcher)."""
-    if RANK == 0 or isinstance(error, UnreadableImage):
+    """Print a UsageError as one line, without a traceback: by global rank 0, or where a LocalError arose."""
+    if RANK == 0 or isinstance(error, LocalError):
         # Raised in a DataLoader worker, it comes back with the worker's traceback before its message.
-        message = str(error).rsplit(f"{UnreadableImage.__name__}: ", 1)[-1].strip()
+        message = str(error).rsplit(f"{type(error).__name__}: ", 1)[-1].strip()
         print(f"error: {message}", file=sys.stderr, flush=True)
 
 
@@ -122,7 +122,7 @@ def load_image(path):
     try:
         return datasets.folder.pil_loader(path)
     except (OSError, SyntaxError, ValueError) as e:  # what PIL raises for undecodable data
-        raise UnreadableImage(f"cannot read image '{path}' ({e}): replace or delete the file") from None
+        raise LocalError(f"cannot read image '{path}' ({e}): replace or delete the file") from None
 
 
 def log(*args, **kwargs):
@@ -315,18 +315,30 @@ def lr_schedule(args, steps_per_epoch):
     return factor
 
 
-def rng_state():
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+def rng_state(devices):
+    """Every random generator this process draws from: the CPU's, Python's, and those of the GPUs in
+    `devices` (the ones it trains on: --cpu never starts CUDA). CPU tensors, so it loads anywhere."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "devices": [torch.get_device_module(d).get_rng_state(d) for d in devices if d.type != "cpu"]}
 
 
-def set_rng_state(state):
+def set_rng_state(state, devices):
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    # A checkpoint written on the CPU has no GPU state: the GPUs keep their seeded generators.
+    for device, device_state in zip([d for d in devices if d.type != "cpu"], state["devices"]):
+        torch.get_device_module(device).set_rng_state(device_state, device)
+
+
+def to_cpu(state):
+    """A copy of a (nested) state with every tensor on the CPU, so the checkpoint opens on any machine."""
+    if isinstance(state, torch.Tensor):
+        return state.cpu()
+    if isinstance(state, dict):
+        return {key: to_cpu(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(to_cpu(value) for value in state)
+    return state
 
 
 def save_checkpoint(state, is_best, output_dir):
@@ -336,7 +348,7 @@ def save_checkpoint(state, is_best, output_dir):
     fd, tmp = tempfile.mkstemp(dir=output_dir, prefix=".checkpoint.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
+            torch.save(to_cpu(state), f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -351,12 +363,16 @@ def save_checkpoint(state, is_best, output_dir):
         raise
 
 
-def load_checkpoint(path, device, arch):
-    """Load a checkpoint written by save_checkpoint; weights_only=True never runs pickled code."""
+def load_checkpoint(path, arch):
+    """Load a checkpoint written by save_checkpoint; weights_only=True never runs pickled code.
+
+    Everything is loaded onto the CPU, whatever device wrote it: load_state_dict then copies the
+    weights to the model's device, and the RNG states must stay CPU tensors.
+    """
     if not os.path.isfile(path):
         raise UsageError(f"no checkpoint at '{path}': pass an existing file to --resume (or --resume auto)")
     try:
-        checkpoint = torch.load(path, map_location=device, weights_only=True)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"cannot load checkpoint '{path}' (truncated, corrupt or not a plain-tensor "
@@ -367,6 +383,15 @@ def load_checkpoint(path, device, arch):
         raise UsageError(f"checkpoint '{path}' is for arch '{checkpoint.get('arch')}', not '{arch}': "
                          f"pass -a {checkpoint.get('arch')} or another checkpoint")
     return checkpoint
+
+
+def load_optimizer_state(optimizer, state):
+    """optimizer.load_state_dict, but keeping this run's choice of implementation (fused or foreach),
+    which the checkpoint's param groups would otherwise replace with the saving run's."""
+    chosen = [{key: group[key] for key in ("fused", "foreach") if key in group} for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, keep in zip(optimizer.param_groups, chosen):
+        group.update(keep)
 
 
 def state_digest(module):
@@ -420,9 +445,16 @@ def setup_distributed(args):
     """
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ["LOCAL_RANK"])
-    use_cuda = torch.cuda.is_available() and not args.cpu
-    if args.sync_bn and not use_cuda:
+    # The accelerator torch was built for (CUDA here) if one is visible, else the CPU; --cpu forces it.
+    accelerator = None if args.cpu else torch.accelerator.current_accelerator(check_available=True)
+    if args.sync_bn and (accelerator is None or accelerator.type != "cuda"):
         raise UsageError("--sync-bn needs CUDA: SyncBatchNorm works only with CUDA modules (drop --sync-bn on CPU)")
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes on this node, from the launcher
+    if accelerator is not None and local_world_size > torch.accelerator.device_count():
+        # All processes of this node fail alike: its local rank 0 says why (rank 0 may be on another node).
+        raise (LocalError if local_rank == 0 else UsageError)(
+            f"{local_world_size} processes on this node, which shows {torch.accelerator.device_count()} GPU(s): "
+            "start at most one process per GPU")
     if not args.evaluate and (args.batch_size < world_size * args.grad_accum_steps
                               or args.batch_size % (world_size * args.grad_accum_steps)):
         raise UsageError(f"global batch -b {args.batch_size} must be a multiple of world size {world_size} "
@@ -437,17 +469,18 @@ def setup_distributed(args):
             tempfile.TemporaryFile(dir=args.output_dir).close()
         except OSError as e:
             raise UsageError(f"cannot write checkpoints to --output-dir '{args.output_dir}': {e.strerror}") from None
-    if use_cuda:
-        # Pick this process's GPU before any CUDA work, so nothing is allocated on GPU 0 by accident.
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
+    if accelerator is None:
         device = torch.device("cpu")
+    else:
+        # Pick this process's GPU before any GPU work, so nothing is allocated on GPU 0 by accident.
+        torch.accelerator.set_device_index(local_rank)
+        device = torch.device(accelerator.type, local_rank)
     if world_size > 1:
-        backend = "nccl" if use_cuda else "gloo"
         try:
-            dist.init_process_group(backend, timeout=timedelta(seconds=args.dist_timeout),
-                                    device_id=device if use_cuda else None)
+            # nccl on GPUs, gloo on the CPU; device_id binds the group to this GPU (none on the CPU).
+            dist.init_process_group(dist.get_default_backend_for_device(device),
+                                    timeout=timedelta(seconds=args.dist_timeout),
+                                    device_id=None if device.type == "cpu" else device)
         except dist.DistNetworkError as e:
             raise UsageError(f"cannot join the process group at {os.environ.get('MASTER_ADDR')}:"
                              f"{os.environ.get('MASTER_PORT')} ({str(e).splitlines()[0]}): if the port is "
@@ -485,11 +518,11 @@ def stalled_ranks(grace=5.0):
 
 def check_launch(args):
     """Checks made once, before any process starts; picks --nprocs and the rendezvous port."""
-    use_cuda = torch.cuda.is_available() and not args.cpu
+    gpus = 0 if args.cpu else torch.accelerator.device_count()
     if args.nprocs is None:
-        args.nprocs = torch.cuda.device_count() if use_cuda else 2
-    if args.nprocs < 1 or (use_cuda and args.nprocs > torch.cuda.device_count()):
-        raise UsageError(f"--nprocs {args.nprocs}: pass at least 1, and at most one per visible GPU")
+        args.nprocs = gpus or 2
+    if args.nprocs < 1 or (gpus and args.nprocs > gpus):
+        raise UsageError(f"--nprocs {args.nprocs}: pass at least 1, and at most one per visible GPU ({gpus})")
     if not 0 <= args.node_rank < args.nnodes:
         raise UsageError(f"--node-rank {args.node_rank} must be in 0..{args.nnodes - 1} (--nnodes {args.nnodes})")
     if args.port is None and args.nnodes > 1:
@@ -534,7 +567,7 @@ def worker(local_rank, args):
     mp.set_start_method(None, force=True)
     RANK = args.node_rank * args.nprocs + local_rank
     os.environ.update(MASTER_ADDR=args.ip, MASTER_PORT=str(args.port), WORLD_SIZE=str(args.nnodes * args.nprocs),
-                      RANK=str(RANK), LOCAL_RANK=str(local_rank))
+                      RANK=str(RANK), LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(args.nprocs))
     try:
         main_worker(args)
     except UsageError as e:
@@ -572,7 +605,7 @@ def main_worker(args):
     model.to(device)
     if world_size > 1:
         # DDP broadcasts rank 0's initial weights, then all-reduces (averages) gradients in backward.
-        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+        model = DDP(model)  # already on this process's device: no device_ids needed, on GPUs or CPU
     module = model.module if isinstance(model, DDP) else model
     log(f"=> {METHOD}: world size {world_size}, device {device.type}, arch {args.arch}, "
         f"global batch {args.batch_size} ({args.batch_size // world_size // args.grad_accum_steps} per process "
@@ -586,7 +619,7 @@ def main_worker(args):
     train_sampler = ResumableSampler(
         train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
     micro_batch = max(1, args.batch_size // world_size // args.grad_accum_steps)  # -e skips the -b checks
-    loader_kwargs = {"num_workers": args.workers, "pin_memory": device.type == "cuda"}
+    loader_kwargs = {"num_workers": args.workers, "pin_memory": device.type != "cpu"}
     train_loader = torch.utils.data.DataLoader(
         train_set, batch_size=micro_batch, sampler=train_sampler, drop_last=True,
         generator=torch.Generator().manual_seed(seed + rank), **loader_kwargs)
@@ -616,7 +649,7 @@ def main_worker(args):
             log(f"=> --resume auto: no checkpoint in '{args.output_dir}', starting fresh")
             resume = ""
     if resume:
-        checkpoint = load_checkpoint(resume, device, args.arch)
+        checkpoint = load_checkpoint(resume, args.arch)
         try:
             module.load_state_dict(checkpoint["state_dict"])
         except RuntimeError as e:
@@ -628,10 +661,10 @@ def main_worker(args):
                              f"{checkpoint['args']['batch_size']}: resume it with that -b")
         best_acc1 = checkpoint["best_acc1"]
         if not args.evaluate:
-            optimizer.load_state_dict(checkpoint["optimizer"])
+            load_optimizer_state(optimizer, checkpoint["optimizer"])
             scheduler.load_state_dict(checkpoint["scheduler"])
             if len(checkpoint["rng"]) == world_size:
-                set_rng_state(checkpoint["rng"][rank])
+                set_rng_state(checkpoint["rng"][rank], [device])
                 train_loader.generator.set_state(checkpoint["rng"][rank]["loader"])
             else:
                 log(f"=> checkpoint has RNG state for {len(checkpoint['rng'])} ranks, not {world_size}: "
@@ -646,7 +679,7 @@ def main_worker(args):
 
     def save(epoch, step, loader_state, is_best=False):
         """Checkpoint the state after `step` optimizer steps of `epoch` (a whole epoch: epoch + 1, step 0)."""
-        rngs = all_gather_objects(dict(rng_state(), loader=loader_state))  # collective: all ranks' RNG
+        rngs = all_gather_objects(dict(rng_state([device]), loader=loader_state))  # collective: all ranks' RNG
         if rank == 0:
             save_checkpoint({"epoch": epoch, "step": step, "arch": args.arch, "state_dict": module.state_dict(),
                              "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),

@@ -30,12 +30,15 @@ def main():
     parser.add_argument("--epochs", type=int, default=2)
     args, _ = parser.parse_known_args()
 
-    use_cuda = torch.cuda.is_available()
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    if accelerator is None:
+        device = torch.device("cpu")
+    else:
+        torch.accelerator.set_device_index(local_rank)
+        device = torch.device(accelerator.type, local_rank)
+    torch.backends.cudnn.benchmark = True  # as the trainers do unless --seed
+    dist.init_process_group(dist.get_default_backend_for_device(device))
     world, rank = dist.get_world_size(), dist.get_rank()
 
     # The same bank of 64 random images the trainers' --dummy uses: memory stays bounded.
@@ -43,9 +46,8 @@ def main():
     data = [(bank[i % 64], i % 1000) for i in range(args.dummy_samples)]
     sampler = torch.utils.data.distributed.DistributedSampler(data, drop_last=True)
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size // world, sampler=sampler, drop_last=True,
-                                         num_workers=args.workers, pin_memory=use_cuda)
-    model = DDP(models.get_model(args.arch, num_classes=1000).to(device),
-                device_ids=[local_rank] if use_cuda else None)
+                                         num_workers=args.workers, pin_memory=device.type != "cpu")
+    model = DDP(models.get_model(args.arch, num_classes=1000).to(device))
     optimizer = torch.optim.SGD(model.parameters(), 0.1 * args.batch_size / 256, momentum=0.9, weight_decay=1e-4)
     criterion = torch.nn.CrossEntropyLoss()
     for epoch in range(args.epochs):
@@ -59,8 +61,8 @@ def main():
             loss.backward()
             optimizer.step()
             images_seen += target.size(0) * world
-        if use_cuda:
-            torch.cuda.synchronize()
+        if accelerator is not None:
+            torch.accelerator.synchronize()
         if rank == 0:
             print("SUMMARY " + json.dumps({"method": "bare", "launcher": "torchrun", "world_size": world,
                                            "device": device.type, "epoch": epoch,

@@ -16,6 +16,10 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
+# The CPU suite runs the CPU code path on every machine, with GPUs or not: no process it starts sees
+# a GPU. tests/test_gpu.py gives its runs the GPUs back (env=GPU_ENV; None unsets the variable).
+GPU_ENV = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 # Flags every test run shares: 32 px digits, no loader workers unless a test asks, quiet progress.
 FAST = ["--image-size", "32", "-j", "0", "-p", "1000", "--seed", "0"]
 
@@ -75,11 +79,16 @@ def launch_command(script, launcher, nproc):
     raise ValueError(launcher)
 
 
+def environment(env=None):
+    """This process's environment, one thread per process, plus `env`, whose None values unset."""
+    return {key: value for key, value in dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                                              **(env or {})).items() if value is not None}
+
+
 def run(args, launcher="python", nproc=1, script="distributed.py", env=None, timeout=300):
     """Run a trainer to completion and parse its machine-readable lines."""
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     proc = subprocess.run(launch_command(script, launcher, nproc) + [str(a) for a in args], cwd=REPO,
-                          env=full_env, capture_output=True, text=True, timeout=timeout)
+                          env=environment(env), capture_output=True, text=True, timeout=timeout)
     if launcher == "horovodrun":  # it starts each line of rank N's output with "[N]<stdout>:" or "[N]<stderr>:"
         proc.stdout, proc.stderr = (re.sub(r"(?m)^\[\d+\]<std(?:out|err)>:", "", s) for s in (proc.stdout, proc.stderr))
     return Result.parse(proc.returncode, proc.stdout, proc.stderr)
@@ -160,14 +169,40 @@ def float32_weights(tmp_path_factory):
     return load_state(out / "checkpoint.pth")["state_dict"]
 
 
+def initial_weights(args):
+    """The weights a seeded trainer run with these arguments starts from (distributed.py's build_model)."""
+    sys.path.insert(0, str(REPO))
+    import distributed
+    parsed = distributed.parse_args([str(a) for a in args])
+    torch.manual_seed(parsed.seed)  # as main_worker does before it builds the model
+    return distributed.build_model(parsed, distributed.build_datasets(parsed)[2]).state_dict()
+
+
+OVERFLOW_AT_STEP_1 = {"PYTHONPATH": str(REPO / "tests" / "hooks"), "COOKBOOK_OVERFLOW_STEP": "1"}
+
+
+def check_first_step_skipped(result, args, out):
+    """apex_distributed.py ran one fp16 step, whose gradients overflowed (env=OVERFLOW_AT_STEP_1 injects an
+    inf): GradScaler must have skipped it and halved its scale, leaving the initial weights and zero
+    momentum. The fused SGD step allocates its momentum buffers uninitialised on its first step and
+    returns early on an inf: without the script's zeroed buffers they held leftover memory, different
+    on each rank, that the next steps would have added to the weights."""
+    assert result.check().done["ranks_identical"]
+    checkpoint = load_state(Path(out) / "checkpoint.pth")
+    assert checkpoint["scaler"]["scale"] == 2.0 ** 15, "the overflowing step was not skipped"
+    momentum = [state["momentum_buffer"] for state in checkpoint["optimizer"]["state"].values()]
+    assert momentum and all(not buffer.any() for buffer in momentum)
+    amp_dtype = args.index("--amp-dtype") if "--amp-dtype" in args else len(args)
+    initial = initial_weights(args[:amp_dtype] + args[amp_dtype + 2:])  # distributed.py's flags only
+    # The parameters: the skipped step's forward did move BatchNorm's statistics.
+    assert all(torch.equal(checkpoint["state_dict"][key], initial[key]) for key in initial
+               if not key.endswith(("running_mean", "running_var", "num_batches_tracked")))
+
+
 def assert_bf16_follows_float32(out, float32_weights, switch):
     """The bf16 EQUIV run written to out updated the weights nearly as float32 did, yet not equally
     (else `switch` did not apply). test_methods.py's test_amp_bfloat16_follows_float32 argues the bounds."""
-    sys.path.insert(0, str(REPO))
-    import distributed  # its build_model: the initial weights both runs started from
-    args = distributed.parse_args([str(a) for a in EQUIV])
-    torch.manual_seed(args.seed)  # as main_worker does before it builds the model
-    initial = distributed.build_model(args, distributed.build_datasets(args)[2]).state_dict()
+    initial = initial_weights(EQUIV)
     bf16 = load_state(Path(out) / "checkpoint.pth")["state_dict"]
     keys = [k for k in initial if initial[k].is_floating_point()]
     fp32_update = torch.cat([(float32_weights[k].double() - initial[k].double()).flatten() for k in keys])

@@ -17,9 +17,10 @@ BEGIN = "# ---- shared helpers: byte-identical in every script of the cookbook (
 END = "# ---- end of shared helpers ----\n"
 # What the block holds. Moving a helper in or out of it is a decision for every script at once:
 # make it here too.
-SHARED_HELPERS = ["UsageError", "UnreadableImage", "report", "load_image", "log", "AverageMeter", "ProgressMeter",
+SHARED_HELPERS = ["UsageError", "LocalError", "report", "load_image", "log", "AverageMeter", "ProgressMeter",
                   "correct_counts", "ShardSampler", "ResumableSampler", "SampleSeeded", "DummyImages", "build_datasets", "build_model",
-                  "lr_schedule", "rng_state", "set_rng_state", "save_checkpoint", "load_checkpoint", "state_digest",
+                  "lr_schedule", "rng_state", "set_rng_state", "to_cpu", "save_checkpoint", "load_checkpoint",
+                  "load_optimizer_state", "state_digest",
                   "summary"]
 
 

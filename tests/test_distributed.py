@@ -179,6 +179,27 @@ def test_resume_is_bitwise(tiny_data, tmp_path):
         assert torch.equal(state["momentum_buffer"], split["optimizer"]["state"][pid]["momentum_buffer"])
 
 
+# Rewrites a checkpoint as a GPU run writes one: every storage recorded at cuda:0 (location tags
+# decide where torch.load puts a tensor unless told otherwise).
+AS_IF_FROM_A_GPU = """
+import sys, torch
+torch.serialization.register_package(0, lambda storage: "cuda:0", lambda storage, location: None)
+torch.save(torch.load(sys.argv[1], weights_only=True), sys.argv[2])
+"""
+
+
+def test_checkpoint_from_a_gpu_resumes_on_the_cpu(tiny_data, checkpoint, tmp_path):
+    """The checkpoint is loaded onto the CPU, whatever device wrote it, and load_state_dict copies it
+    to the model's device: on GPUs, loading straight onto the GPU failed in set_rng_state."""
+    from_gpu = tmp_path / "from-gpu.pth"
+    subprocess.run([sys.executable, "-c", AS_IF_FROM_A_GPU, checkpoint, from_gpu], check=True)
+    with pytest.raises(RuntimeError, match="on a CUDA device"):  # the file does name cuda:0
+        torch.load(from_gpu, weights_only=True)
+    r = run(["--data", tiny_data, "-b", 32, "--epochs", 2, "--resume", from_gpu, "--output-dir", tmp_path] + FAST,
+            launcher="torchrun", nproc=2).check()
+    assert [s["epoch"] for s in r.summaries] == [1]
+
+
 @pytest.mark.parametrize("extra", [[], ["--grad-accum-steps", 2]], ids=["whole-batches", "accum2"])
 def test_mid_epoch_resume_trains_only_the_rest_at_any_world_size(extra, tmp_path, single_process_weights):
     """2 processes fail in the last step of the epoch; 1 process resumes from their checkpoint after

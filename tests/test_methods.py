@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, REPO, assert_bf16_follows_float32, bad_inputs,
-                      float64_weights, free_port, launch_command, load_state, max_abs_diff, resume_mid_epoch, run,
-                      stall_a_rank)
+from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, OVERFLOW_AT_STEP_1, REPO, assert_bf16_follows_float32,
+                      bad_inputs, check_first_step_skipped, float64_weights, free_port, launch_command, load_state,
+                      max_abs_diff, resume_mid_epoch, run, stall_a_rank)
 
 DP, MP, AMP = "dataparallel.py", "multiprocessing_distributed.py", "apex_distributed.py"
 METHOD = {DP: "dataparallel", MP: "ddp-spawn", AMP: "amp"}
@@ -94,6 +94,23 @@ def test_spawn_across_two_nodes_equals_single_process(tmp_path, single_process_w
     assert r.summaries[0]["world_size"] == 2 and len(r.done["state_sha256"]) == 2 and r.done["ranks_identical"]
     assert out1 == "", "only global rank 0 prints"
     assert max_abs_diff(float64_weights(tmp_path / "n0"), single_process_weights) <= EQUIV_TOLERANCE
+
+
+def test_fp16_overflow_in_the_first_step_leaves_momentum_zero(tmp_path):
+    """conftest.check_first_step_skipped says why; one step of 2 x 16 images here."""
+    args = ["--dummy", "--dummy-samples", 32, "-b", 32, "--epochs", 1, "--output-dir", tmp_path] + AMP_FP16 + FAST
+    check_first_step_skipped(run(args, *LAUNCHER[AMP], AMP, env=OVERFLOW_AT_STEP_1), args, tmp_path)
+
+
+def test_amp_fp16_resumes_a_checkpoint_of_unfused_sgd(tiny_data, tmp_path):
+    """distributed.py's SGD is not fused; its checkpoint's param groups say so. Loaded as they are,
+    they turned apex_distributed.py's fused SGD off, while its GradScaler still handed the step its
+    inf check: "Expected grad_scale and found_inf to be None" at the first step."""
+    args = ["--data", tiny_data, "-b", 32, "--output-dir", tmp_path, "-a", "squeezenet1_1"] + FAST
+    run(args + ["--epochs", 1], "torchrun", 2).check()
+    r = run(args + ["--epochs", 2, "--resume", "auto", "--amp-dtype", "float16"], *LAUNCHER[AMP], AMP).check()
+    assert [s["epoch"] for s in r.summaries] == [1]
+    assert load_state(tmp_path / "checkpoint.pth")["optimizer"]["param_groups"][0]["fused"]
 
 
 def test_amp_bfloat16_follows_float32(tmp_path, float32_weights):
@@ -188,6 +205,7 @@ def method_bad_inputs(tiny_data, checkpoint, tmp, busy_port):
     data = ["--data", tiny_data, "-b", 32]
     return dict(bad_inputs(tiny_data, checkpoint, tmp), **{
         "gpus without cuda": (data + ["--gpus", "0,1"], "python", "--gpus needs CUDA GPUs"),
+        "one image per replica": (["--data", tiny_data, "-b", 1], "python", "-b 1 leaves 1 image to a GPU"),
         "port in use": (data + ["--port", busy_port], "spawn", f"--port {busy_port} (Address already in use)"),
         "two nodes, no port": (data + ["--nnodes", 2], "spawn", "--nnodes > 1 needs --port"),
     })
@@ -197,7 +215,7 @@ def method_bad_inputs(tiny_data, checkpoint, tmp, busy_port):
 # keeps distributed.py's set-up and error reporting (one case checks its extra lines left them intact);
 # these cases go through the other scripts' own lines: DataParallel's set-up, and the spawn launch,
 # whose processes all fail alike while only rank 0 reports.
-BAD = [(DP, "unwritable output dir"), (DP, "gpus without cuda"),
+BAD = [(DP, "unwritable output dir"), (DP, "gpus without cuda"), (DP, "one image per replica"),
        (MP, "batch below world size"), (MP, "port in use"), (MP, "two nodes, no port"),
        (AMP, "truncated checkpoint")]
 

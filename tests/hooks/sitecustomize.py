@@ -4,7 +4,9 @@
 COOKBOOK_FLOAT64=1       the trainers build their models and synthetic images in float64 (the
                          training-equivalence runs: conftest.FLOAT64 says why);
 COOKBOOK_FAULT_STEP=N    the N-th optimizer step of each process raises, as a bug in the training step
-                         would ("every": each step, on every attempt).
+                         would ("every": each step, on every attempt);
+COOKBOOK_OVERFLOW_STEP=N the N-th GradScaler step of each process finds an inf gradient, as an fp16
+                         overflow would.
 """
 import os
 
@@ -25,3 +27,19 @@ if "COOKBOOK_FAULT_STEP" in os.environ:
         return original_step(self, closure)
 
     torch.optim.SGD.step = failing_step
+
+if "COOKBOOK_OVERFLOW_STEP" in os.environ:
+    # GradScaler checks the gradients for inf/NaN here once a step, whether it unscales them (unfused
+    # optimizers) or hands the result to a fused step.
+    overflow_step, checks = int(os.environ["COOKBOOK_OVERFLOW_STEP"]), 0
+    original_check = torch.amp.GradScaler._unscale_grads_
+
+    def overflowing_check(self, optimizer, *args, **kwargs):
+        global checks
+        checks += 1
+        if checks == overflow_step:
+            grad = next(p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None)
+            grad.view(-1)[0] = float("inf")
+        return original_check(self, optimizer, *args, **kwargs)
+
+    torch.amp.GradScaler._unscale_grads_ = overflowing_check

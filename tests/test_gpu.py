@@ -1,0 +1,170 @@
+"""The GPU suite: the CUDA + NCCL lines of every script, run on the GPUs of the machine at hand.
+
+    .venv/bin/python -m pytest -q tests/test_gpu.py     # on a machine with 1 or more CUDA GPUs
+
+Without a CUDA GPU every test here is skipped with one reason, which the test log shows (CI's
+machines have none: these tests are not counted there). Tests that need 2 GPUs, an Ampere GPU,
+Horovod built with NCCL or a running Slurm cluster say so when they skip. The CPU suite runs the
+same scripts with no GPU visible (conftest.py hides them).
+"""
+import subprocess
+
+import pytest
+
+from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, GPU_ENV, OVERFLOW_AT_STEP_1, PYTHON,
+                      assert_bf16_follows_float32, check_first_step_skipped, environment, float64_weights,
+                      load_state, max_abs_diff, run)
+
+
+def probe(code):
+    """What a fresh interpreter that sees the GPUs prints for `code` ("" if it fails)."""
+    result = subprocess.run([PYTHON, "-c", code], env=environment(GPU_ENV), capture_output=True, text=True)
+    return result.stdout.strip() if result.returncode == 0 else ""
+
+
+GPUS = int(probe("import torch; print(torch.cuda.device_count())") or 0)
+AMPERE = GPUS and probe("import torch; print(torch.cuda.is_bf16_supported(including_emulation=False))") == "True"
+HOROVOD_NCCL = GPUS and probe("import horovod.torch as hvd; print(hvd.nccl_built())") not in ("", "0", "False")
+SLURM_UP = GPUS and probe("import subprocess; subprocess.run(['scontrol', 'ping'], check=True); print(1)")
+TWO = min(GPUS, 2)  # processes of the multi-GPU runs
+pytestmark = pytest.mark.skipif(GPUS == 0, reason="no CUDA GPU visible: tests/test_gpu.py needs a machine with GPUs")
+needs_two = pytest.mark.skipif(GPUS == 1, reason="needs 2 or more GPUs")
+# Any of these in a run's stderr: a kernel without a deterministic CUDA version ran (warn_only=True),
+# so two runs may differ in the last bits of their floating-point sums.
+NONDETERMINISTIC = "does not have a deterministic implementation"
+
+METHODS = {  # name: (script, launcher, extra flags)
+    "ddp": ("distributed.py", "torchrun", []),
+    "dp": ("dataparallel.py", "python", []),
+    "spawn": ("multiprocessing_distributed.py", "spawn", []),
+    "amp-fp16": ("apex_distributed.py", "torchrun", []),  # CUDA's default: fp16, GradScaler, channels_last, fused
+    "fsdp-bf16": ("fsdp_distributed.py", "torchrun", ["--param-dtype", "bfloat16"] if AMPERE else []),
+    "horovod": ("horovod_distributed.py", "horovodrun", []),
+}
+
+
+def gpu_run(args, script="distributed.py", launcher="torchrun", nproc=TWO, env=None):
+    """A trainer run that sees the GPUs (one process per GPU, except DataParallel's one process)."""
+    return run(args, launcher, 1 if launcher == "python" else nproc, script, env={**GPU_ENV, **(env or {})})
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_method_trains_resumes_and_evaluates_exactly(method, tiny_data, tmp_path):
+    script, launcher, extra = METHODS[method]
+    if method == "horovod" and not probe("import horovod.torch"):
+        pytest.skip("Horovod is not installed: bash scripts/install_horovod.sh")
+    args = ["--data", tiny_data, "-b", 32, "--warmup-epochs", 1, "--lr-step-size", 1] + extra + FAST
+    straight = gpu_run(args + ["--epochs", 2, "--output-dir", tmp_path / "straight"], script, launcher).check()
+    assert [(s["device"], s["val_count"]) for s in straight.summaries] == [("cuda", 37)] * 2
+    assert straight.done["ranks_identical"]
+    checkpoint = load_state(tmp_path / "straight" / "checkpoint.pth")
+    assert all(t.isfinite().all() for t in checkpoint["state_dict"].values() if t.is_floating_point())
+
+    first = gpu_run(args + ["--epochs", 1, "--output-dir", tmp_path / "split"], script, launcher).check()
+    resumed = gpu_run(args + ["--epochs", 2, "--output-dir", tmp_path / "split", "--resume", "auto"], script,
+                      launcher).check()
+    assert [s["epoch"] for s in resumed.summaries] == [1]
+    split = load_state(tmp_path / "split" / "checkpoint.pth")["state_dict"]
+    if any(NONDETERMINISTIC in r.stderr for r in (straight, first, resumed)):
+        # Bitwise only where every kernel is deterministic; else the runs differ by summation order.
+        assert max_abs_diff(checkpoint["state_dict"], split) <= 1e-3
+    else:
+        assert straight.done["state_sha256"] == resumed.done["state_sha256"]
+
+    evaluations = set()
+    for nproc in ([1] if launcher == "python" else [1, TWO]):
+        (s,) = gpu_run(["--data", tiny_data, "-e", "--resume", tmp_path / "straight" / "checkpoint.pth",
+                        "--val-batch-size", 8] + extra + FAST, script, launcher, nproc).check().summaries
+        evaluations.add((s["val_count"], s["val_loss"], s["val_acc1"], s["val_acc5"]))
+    assert len(evaluations) == 1 and evaluations.pop()[0] == 37
+
+
+def test_checkpoint_from_the_gpu_opens_without_one(tmp_path, tiny_data):
+    """Checkpoints hold CPU tensors (the GPU's RNG state too): a plain torch.load needs no map_location."""
+    gpu_run(["--data", tiny_data, "-b", 32, "--epochs", 1, "--output-dir", tmp_path] + FAST).check()
+    code = ("import sys, torch; c = torch.load(sys.argv[1], weights_only=True); "
+            "print(len(c['rng'][0]['devices']), *sorted({t.device.type for t in c['state_dict'].values()}))")
+    opened = subprocess.run([PYTHON, "-c", code, tmp_path / "checkpoint.pth"], env=environment(), capture_output=True,
+                            text=True, check=True)  # conftest hides the GPUs from this process
+    assert opened.stdout.split() == ["1", "cpu"]
+
+
+def test_cpu_flag_with_gpus_visible_touches_no_gpu(tmp_path, tiny_data):
+    """--cpu: gloo, CPU tensors, no GPU RNG state saved (reading it would start CUDA); FSDP's mesh too."""
+    for script in ("distributed.py", "fsdp_distributed.py"):
+        out = tmp_path / script
+        r = gpu_run(["--data", tiny_data, "-b", 32, "--epochs", 1, "--cpu", "--output-dir", out] + FAST, script).check()
+        assert r.summaries[0]["device"] == "cpu"
+        if script == "distributed.py":
+            assert load_state(out / "checkpoint.pth")["rng"][0]["devices"] == []
+
+
+def test_more_processes_than_gpus_is_one_error_line(tiny_data, tmp_path):
+    r = gpu_run(["--data", tiny_data, "-b", 32, "--output-dir", tmp_path] + FAST, nproc=GPUS + 1)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode != 0 and len(errors) == 1, r.stderr
+    assert f"{GPUS + 1} processes on this node, which shows {GPUS} GPU(s)" in errors[0]
+
+
+def test_fp16_overflow_in_the_first_step_leaves_momentum_zero(tmp_path):
+    """On CUDA's fused SGD kernel: conftest.check_first_step_skipped says why."""
+    args = ["--dummy", "--dummy-samples", 64, "-b", 64, "--epochs", 1, "--output-dir", tmp_path] + FAST
+    check_first_step_skipped(gpu_run(args, "apex_distributed.py", env=OVERFLOW_AT_STEP_1), args, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def one_gpu_weights(tmp_path_factory):
+    """conftest.EQUIV trained by one process on one GPU, in float64: the multi-GPU runs' reference."""
+    out = tmp_path_factory.mktemp("one-gpu")
+    gpu_run(["--output-dir", out] + EQUIV, nproc=1, env=FLOAT64).check()
+    return float64_weights(out)
+
+
+@needs_two
+@pytest.mark.parametrize("method", ["ddp", "dp", "horovod"])
+def test_two_gpus_train_as_one(method, tmp_path, one_gpu_weights):
+    """NCCL's all-reduce (DDP, Horovod built with NCCL) and DataParallel's gather: the same weights."""
+    if method == "horovod" and not HOROVOD_NCCL:
+        pytest.skip("Horovod is not built with NCCL here (bash scripts/install_horovod.sh builds it so)")
+    script, launcher, _ = METHODS[method]
+    gpu_run(["--output-dir", tmp_path] + EQUIV, script, launcher, env=FLOAT64).check()
+    assert max_abs_diff(float64_weights(tmp_path), one_gpu_weights) <= EQUIV_TOLERANCE
+
+
+@needs_two
+def test_sync_batchnorm_on_two_gpus_equals_batchnorm_on_one(tmp_path):
+    """SyncBatchNorm normalises over the global batch: 2 GPUs x 16 images as 1 GPU x 32."""
+    args = [a for a in EQUIV if a not in ("--norm", "group")]
+    gpu_run(["--output-dir", tmp_path / "one"] + args, nproc=1, env=FLOAT64).check()
+    gpu_run(["--output-dir", tmp_path / "two", "--sync-bn"] + args, env=FLOAT64).check()
+    assert max_abs_diff(float64_weights(tmp_path / "one"), float64_weights(tmp_path / "two")) <= EQUIV_TOLERANCE
+
+
+@needs_two
+def test_dataparallel_refuses_one_image_per_gpu(tiny_data, tmp_path):
+    """3 images over 2 GPUs are chunks of 2 and 1: one replica's BatchNorm would see a single image."""
+    r = gpu_run(["--data", tiny_data, "-b", 3, "--output-dir", tmp_path] + FAST, "dataparallel.py", "python")
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "leaves 1 image to a GPU" in errors[0], r.stderr
+
+
+def test_bfloat16_autocast_needs_ampere(tmp_path):
+    """bf16 autocast on Ampere or newer follows the fp32 update (test_methods.py argues the bounds);
+    older GPUs only emulate bf16, and the script says so in one line."""
+    args = ["--output-dir", tmp_path / "bf16", "--amp-dtype", "bfloat16"] + EQUIV
+    r = gpu_run(args, "apex_distributed.py")
+    if not AMPERE:
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        assert r.returncode == 2 and len(errors) == 1 and "needs an Ampere or newer GPU" in errors[0], r.stderr
+        return
+    r.check()
+    gpu_run(["--output-dir", tmp_path / "fp32"] + EQUIV, nproc=1).check()
+    assert_bf16_follows_float32(tmp_path / "bf16", load_state(tmp_path / "fp32" / "checkpoint.pth")["state_dict"],
+                                "autocast")
+
+
+@pytest.mark.skipif(GPUS and not SLURM_UP, reason="no Slurm cluster up (bash scripts/slurm_cluster.sh start, or a real one)")
+def test_srun_trains_on_the_gpus(tiny_data, tmp_path):
+    r = run(["--data", tiny_data, "-b", 32, "--epochs", 1, "--output-dir", tmp_path] + FAST, "srun", TWO,
+            "distributed_slurm_main.py", env=GPU_ENV).check()
+    assert r.summaries[0]["device"] == "cuda" and r.done["ranks_identical"]
