@@ -1,24 +1,27 @@
 #!/usr/bin/env python
 """ImageNet training with DistributedDataParallel (DDP), started by torch.multiprocessing.spawn.
 
-No launcher: the script starts one process per GPU (or --nprocs on the CPU) itself:
-
-    python multiprocessing_distributed.py --data /path/to/imagenet
+    python multiprocessing_distributed.py --data /path/to/imagenet       # one process per GPU (no GPU: --nprocs)
     python multiprocessing_distributed.py --nnodes=2 --node-rank=K --ip=NODE0 --port=29500 --data ...
 
-Process k of node K has global rank K * nprocs + k; node 0 hosts the rendezvous on --ip/--port (a
-free port by default). CUDA + NCCL when GPUs are visible, else CPU + gloo.
+One process per GPU with CUDA + NCCL (without GPUs: CPU + gloo); the script starts them itself, with
+global rank node rank x --nprocs + its index; node 0 hosts the rendezvous, on a free port by default.
+Every script of the cookbook is distributed.py plus its method's lines: `diff distributed.py X.py`.
 """
 import argparse
+import atexit
 import contextlib
 import difflib
 import hashlib
 import itertools
 import json
+import math
+import multiprocessing
 import os
 import random
 import shutil
 import socket
+import signal
 import sys
 import tempfile
 import threading
@@ -37,92 +40,360 @@ import torchvision.transforms as transforms
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 METHOD = "ddp-spawn"
-RANK = 0  # global rank: each spawned process sets its own in worker()
+RANK = 0  # global rank: each spawned process sets its own in worker(); log() prints on rank 0 only
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description="PyTorch ImageNet training with DistributedDataParallel",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--data", metavar="DIR", help="dataset root holding train/ and val/ in ImageFolder layout")
-    parser.add_argument("--dummy", action="store_true", help="train on synthetic images (benchmarking; no --data)")
-    parser.add_argument("--dummy-samples", type=int, default=10000,
-                        help="synthetic train images per epoch with --dummy (val gets a tenth)")
-    parser.add_argument("-a", "--arch", default="resnet18", help="torchvision classification model")
-    parser.add_argument("--norm", choices=["batch", "group"], default="batch",
-                        help="BatchNorm, or GroupNorm(32) for ResNets (per-sample, so independent of the per-rank batch)")
-    parser.add_argument("--image-size", type=int, default=224,
-                        help="train crop size; val resizes to size*256/224 and centre-crops size")
-    parser.add_argument("--min-crop-scale", type=float, default=0.08,
-                        help="smallest image area fraction RandomResizedCrop keeps (0.08 is the ImageNet "
-                             "standard; tiny images such as the demo digits learn faster with ~0.35)")
-    parser.add_argument("-j", "--workers", type=int, default=4, help="data loading workers per process")
-    parser.add_argument("--epochs", type=int, default=90, help="total epochs to run")
-    parser.add_argument("--start-epoch", type=int, default=0, help="manual epoch number (useful on restarts)")
-    parser.add_argument("-b", "--batch-size", type=int, default=256,
-                        help="GLOBAL batch size per optimizer step, split evenly over all processes "
-                             "(and over --grad-accum-steps micro-batches)")
-    parser.add_argument("--val-batch-size", type=int, default=64,
-                        help="evaluation batch per process; the same at every world size, so the val numbers are too")
-    parser.add_argument("--grad-accum-steps", type=int, default=1,
-                        help="micro-batches per optimizer step; DDP all-reduces only on the last one")
-    parser.add_argument("--lr", "--learning-rate", type=float, default=0.1,
-                        help="learning rate for a global batch of 256 images; linear scaling rule "
-                             "(Goyal et al. 2017): the lr used is lr * batch-size / 256")
-    parser.add_argument("--warmup-epochs", type=float, default=0.0,
-                        help="ramp the lr linearly from ~0 to its value over this many epochs, per step")
-    parser.add_argument("--lr-step-size", type=int, default=30, help="multiply the lr by --lr-gamma every N epochs")
-    parser.add_argument("--lr-gamma", type=float, default=0.1, help="lr decay factor of the step schedule")
-    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
-    parser.add_argument("--wd", "--weight-decay", type=float, default=1e-4, dest="weight_decay", help="weight decay")
-    parser.add_argument("-p", "--print-freq", type=int, default=10,
-                        help="print progress (and reduce metrics over ranks) every N optimizer steps")
-    parser.add_argument("--output-dir", default="checkpoints", help="where rank 0 writes checkpoints")
-    parser.add_argument("--save-every", type=int, default=0, metavar="N",
-                        help="also checkpoint every N optimizer steps within an epoch (0: at epoch ends only); "
-                             "a run resumed from one skips the batches already trained on")
-    parser.add_argument("--resume", default="", metavar="PATH",
-                        help="checkpoint to resume from, or 'auto' for the latest in --output-dir (fresh start if none)")
-    parser.add_argument("-e", "--evaluate", action="store_true", help="evaluate the model on val and exit")
-    parser.add_argument("--seed", type=int, default=None,
-                        help="seed everything and use deterministic algorithms (bitwise-reproducible on CPU)")
-    parser.add_argument("--cpu", action="store_true", help="use the CPU and gloo even if GPUs are visible")
+def argument_parser():
+    """The flags every script shares (training_arguments, at the end of the file), plus DDP's own."""
+    parser = training_arguments("PyTorch ImageNet training with DistributedDataParallel")
     parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
-    parser.add_argument("--dist-timeout", type=float, default=1800,
+    parser.add_argument("--dist-timeout", type=number(float, 0, open_low=True), default=1800,
                         help="seconds a collective waits for the other ranks before failing")
-    parser.add_argument("--nprocs", type=int, help="processes on this node (default: one per GPU, or 2 on the CPU)")
-    parser.add_argument("--nnodes", type=int, default=1, help="number of nodes, each running this script")
-    parser.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0 to --nnodes - 1")
+    parser.add_argument("--nprocs", type=number(int, 1), help="processes on this node (default: one per GPU, or 2)")
+    parser.add_argument("--nnodes", type=number(int, 1), default=1, help="number of nodes, each running this script")
+    parser.add_argument("--node-rank", type=number(int, 0), default=0, help="this node's rank, 0 to --nnodes - 1")
     parser.add_argument("--ip", default="127.0.0.1", help="address of node 0, which hosts the rendezvous")
-    parser.add_argument("--port", type=int, help="rendezvous port on node 0 (default: a free one; one node only)")
-    return parser.parse_args(argv)
+    parser.add_argument("--port", type=number(int, 1, 65535), help="rendezvous port on node 0 (default: a free one)")
+    return parser
 
 
-# ---- shared helpers: byte-identical in every script of the cookbook (tests/test_consistency.py) ----
+def setup_distributed(args):
+    """Check the launch, pick this process's device and join the process group: (rank, world size, device).
+
+    Every check runs before the rendezvous, so a bad flag fails all ranks alike and at once.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = pick_device(args, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if args.sync_bn and device.type != "cuda":
+        raise UsageError("--sync-bn needs CUDA: SyncBatchNorm works only with CUDA modules (drop --sync-bn on CPU)")
+    check_batch(args, world_size, sync_bn=args.sync_bn)
+    check_output_dir(args)
+    if world_size > 1:
+        try:
+            # nccl on GPUs, gloo on the CPU; device_id binds the group to this GPU (none on the CPU).
+            dist.init_process_group(dist.get_default_backend_for_device(device),
+                                    timeout=timedelta(seconds=args.dist_timeout),
+                                    device_id=None if device.type == "cpu" else device)
+        except dist.DistNetworkError as e:
+            raise UsageError(f"cannot join the process group at {os.environ.get('MASTER_ADDR')}:"
+                             f"{os.environ.get('MASTER_PORT')} ({str(e).splitlines()[0]}): if the port is "
+                             "in use pass another --port") from None
+    return RANK, world_size, device
+
+
+def launcher_name(args):
+    return "mp.spawn"
+
+
+def check_launch(args):
+    """Checks made once, before any process starts; picks --nprocs, and node 0's port if none is given."""
+    args.nprocs = args.nprocs or (0 if args.cpu else torch.accelerator.device_count()) or 2
+    if args.node_rank >= args.nnodes:
+        raise UsageError(f"--node-rank {args.node_rank} must be in 0..{args.nnodes - 1} (--nnodes {args.nnodes})")
+    if args.port is None:
+        if args.nnodes > 1:
+            raise UsageError("--nnodes > 1 needs --port: pass the same free port of node 0 on every node")
+        with socket.socket() as probe:
+            probe.bind((args.ip, 0))  # port 0: the OS picks a free one
+            args.port = probe.getsockname()[1]
+
+
+# ---- communication: the lines each method does its own way (no-ops without a process group) ----
+
+def all_reduce_sum(tensor):
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_gather_objects(obj):
+    if not dist.is_initialized():
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def broadcast_buffers(model):
+    """Rank 0's BatchNorm statistics to every rank: gradients are averaged, statistics are not (each
+    rank's come from its own batch). Then the evaluation and the checkpoint are those of one model."""
+    if dist.is_initialized():
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+
+
+def stalled_ranks(grace=5.0):
+    """After a collective timed out, the ranks that stalled.
+
+    The timed-out group's connections are closed, so every rank still alive checks in on the
+    rendezvous store instead (torchrun's, or rank 0's without it) and, after `grace` seconds for the
+    others to time out too, lists who did not. A store that does not answer is rank 0's: rank 0 stalled.
+    """
+    if "MASTER_ADDR" not in os.environ:  # a file:// rendezvous: no store to meet on
+        return []
+    key = f"cookbook/alive/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"  # one namespace per torchrun attempt
+    world_size, alive = dist.get_world_size(), []
+
+    def check_in():  # in a thread: a client of a stopped store waits for ever, whatever its timeout
+        try:
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                  timeout=timedelta(seconds=grace))
+            store.set(key + str(RANK), "1")
+            time.sleep(grace)
+            alive.extend(r for r in range(world_size) if store.check([key + str(r)]))
+        except dist.DistError:
+            pass
+
+    thread = threading.Thread(target=check_in, daemon=True)
+    thread.start()
+    thread.join(3 * grace)
+    return [r for r in range(world_size) if r not in alive] if alive else [0]
+
+
+def main(argv=None):
+    args = argument_parser().parse_args(argv)
+    try:
+        check_launch(args)
+        # A fresh interpreter per process ("spawn", not fork): CUDA cannot be re-initialised in a
+        # forked child. Each runs worker(local_rank, args).
+        processes = mp.spawn(worker, args=(args,), nprocs=args.nprocs, join=False)
+        # A stop signal sent to this process is meant for the job: pass it on to every worker.
+        for signum in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(signum, lambda received, frame: [os.kill(p.pid, received) for p in processes.processes])
+        # A bad flag fails every process alike: the grace period lets rank 0 print its error line
+        # before the others are stopped.
+        while not processes.join(grace_period=10):
+            pass
+    except UsageError as e:
+        report(e)
+        sys.exit(2)
+    except mp.ProcessExitedException as e:
+        # A failed process has printed its own error line; one killed by a signal has not.
+        sys.exit(e.exit_code if e.exit_code > 0 else f"error: {e}")
+
+
+def worker(local_rank, args):
+    """Each spawned process: set what a launcher would have set (setup_distributed reads it), then train."""
+    global RANK
+    # A spawned process inherits the parent's "spawn" start method, so its DataLoader workers would
+    # start a fresh interpreter (and import torch) every epoch: 12.4 s per demo epoch instead of 7.5
+    # here. Back to the platform's default (fork on Linux), as under torchrun.
+    mp.set_start_method(None, force=True)
+    RANK = args.node_rank * args.nprocs + local_rank
+    os.environ.update(MASTER_ADDR=args.ip, MASTER_PORT=str(args.port), WORLD_SIZE=str(args.nnodes * args.nprocs),
+                      RANK=str(RANK), LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(args.nprocs))
+    try:
+        main_worker(args)
+    except UsageError as e:
+        report(e)
+        sys.exit(2)
+    except Stopped:
+        if dist.is_initialized():  # no rank leaves before rank 0 has written the checkpoint
+            dist.barrier()
+            dist.destroy_process_group()
+        sys.exit(143)  # 128 + SIGTERM, as if the signal had ended the process: not a success, so it is requeued
+    except RuntimeError as e:
+        # gloo's words for a timed-out collective: on the one that waited, or on a later one that
+        # found its connections closed by the timeout.
+        if not (dist.is_initialized() and ("Timed out waiting" in str(e) or "Application timeout" in str(e))):
+            raise
+        stalled = stalled_ranks()
+        if not stalled:
+            raise
+        if RANK == min(set(range(dist.get_world_size())) - set(stalled)):  # one line, from the lowest live rank
+            print(f"error: rank(s) {', '.join(map(str, stalled))} stalled: the others waited --dist-timeout "
+                  f"{args.dist_timeout:g} s for them in a collective (a hang, a stopped process, or far slower "
+                  "work: py-spy dump shows where it is)", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def main_worker(args):
+    stop_on_signals()
+    seed_everything(args.seed)
+    train_set, val_set, num_classes = build_datasets(args)
+    model = build_model(args, num_classes)
+    rank, world_size, device = setup_distributed(args)
+    if args.sync_bn:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model.to(device)
+    checkpoint = load_checkpoint(args, model)
+    # DDP broadcasts rank 0's weights, then averages the gradients over the ranks during backward,
+    # bucket by bucket, so the all-reduce of one bucket overlaps the backward of the next.
+    # gradient_as_bucket_view: the gradients live in those buckets, one copy fewer of them in memory.
+    parallel_model = DDP(model, gradient_as_bucket_view=True) if world_size > 1 else model
+    micro_batch = args.batch_size // world_size // args.grad_accum_steps
+    log(f"=> {METHOD}: world size {world_size}, device {device.type}, arch {args.arch}, global batch "
+        f"{args.batch_size} ({micro_batch} per process x {args.grad_accum_steps} micro-batches), "
+        f"launcher {launcher_name(args)}")
+
+    # Every rank must shuffle with the same seed, or their shares would not partition the data: rank
+    # 0's, and a resumed run's is the checkpoint's, so that its epoch's order is the interrupted one.
+    args.seed = checkpoint["args"]["seed"] if checkpoint else all_gather_objects(
+        int.from_bytes(os.urandom(4), "little") if args.seed is None else args.seed)[0]
+    train_set = SampleSeeded(train_set, args.seed)
+    # DistributedSampler gives each rank a disjoint 1/W of a permutation that depends only on
+    # (seed, epoch), so the ranks' micro-batches of one step together form the batch one process
+    # would take. drop_last: drop the tail instead of padding it with duplicates.
+    train_sampler = ResumableSampler(train_set, world_size, rank, seed=args.seed, drop_last=True)
+    loader_args = {"num_workers": args.workers, "pin_memory": device.type != "cpu",
+                   "worker_init_fn": ignore_stop_signals}
+    train_loader = torch.utils.data.DataLoader(train_set, max(1, micro_batch), sampler=train_sampler,
+                                               generator=torch.Generator().manual_seed(args.seed + rank),
+                                               drop_last=True, **loader_args)
+    # Exact evaluation: fixed batches dealt out to the ranks, without padding (shard_batches says why).
+    val_loader = torch.utils.data.DataLoader(
+        val_set, batch_sampler=shard_batches(len(val_set), world_size, rank, args.val_batch_size), **loader_args)
+    steps_per_epoch = len(train_loader) // args.grad_accum_steps
+    if steps_per_epoch == 0 and not args.evaluate:
+        raise UsageError(f"the train set ({len(train_set)} images) is smaller than one global batch "
+                         f"(-b {args.batch_size}): lower -b")
+
+    criterion = nn.CrossEntropyLoss()
+    # fused: one kernel updates every parameter, on GPUs and on CPUs (3x faster than the default loop here).
+    optimizer = torch.optim.SGD(model.parameters(), args.lr * args.batch_size / 256, momentum=args.momentum,
+                                weight_decay=args.weight_decay, fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(args, max(1, steps_per_epoch)))
+    start_epoch, start_step, best_acc1 = resume_training(checkpoint, optimizer, scheduler, train_loader, rank,
+                                                         world_size, [device], args)
+    if args.evaluate:
+        val = validate(val_loader, model, device)
+        summary("SUMMARY", method=METHOD, launcher=launcher_name(args), world_size=world_size, device=device.type,
+                epoch=start_epoch - 1, **{f"val_{k}": v for k, v in val.items()})
+        return finish(model)
+
+    def save(epoch, step, loader_state, is_best=False):
+        """Checkpoint the state after `step` optimizer steps of `epoch` (a whole epoch: epoch + 1, step 0)."""
+        check_finite(model.parameters(), epoch, step, optimizer.param_groups[0]["lr"])
+        rngs = all_gather_objects(dict(rng_state([device]), loader=loader_state))  # collective: every rank's
+        if rank == 0:
+            save_checkpoint({"epoch": epoch, "step": step, "arch": args.arch, "state_dict": model.state_dict(),
+                             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                             "best_acc1": best_acc1, "world_size": world_size, "rng": rngs, "args": vars(args)},
+                            is_best, args.output_dir)
+
+    for epoch in range(start_epoch, args.epochs):
+        # set_epoch reshuffles: without it every epoch would visit the data in the same order. After
+        # a mid-epoch checkpoint, the batches it had trained on are skipped, not loaded and dropped.
+        train_sampler.set_epoch(epoch, skip=start_step * args.grad_accum_steps * micro_batch)
+        train_set.set_epoch(epoch)
+        # The loader draws its workers' seeds from its generator as the epoch starts: mid-epoch
+        # checkpoints keep the state from before that draw, so a resumed epoch makes the same one.
+        loader_state = train_loader.generator.get_state()
+        start = time.perf_counter()
+        train_metrics, train_time, data_wait = train(train_loader, parallel_model, criterion, optimizer, scheduler,
+                                                     epoch, start_step, steps_per_epoch, device, args,
+                                                     lambda step: save(epoch, step, loader_state))
+        start_step = 0
+        val = validate(val_loader, model, device)
+        is_best, best_acc1 = val["acc1"] > best_acc1, max(val["acc1"], best_acc1)
+        save(epoch + 1, 0, train_loader.generator.get_state(), is_best)
+        summary("SUMMARY", method=METHOD, launcher=launcher_name(args), world_size=world_size, device=device.type,
+                epoch=epoch, train_loss=train_metrics["loss"], train_acc1=train_metrics["acc1"],
+                val_loss=val["loss"], val_acc1=val["acc1"], val_acc5=val["acc5"], val_count=val["count"],
+                epoch_time=round(time.perf_counter() - start, 3),
+                images_per_sec=round(train_metrics["count"] / train_time, 1),
+                data_wait=round(data_wait / train_time, 4), lr=optimizer.param_groups[0]["lr"])
+    finish(model, best_acc1=best_acc1)
+
+
+def train(loader, model, criterion, optimizer, scheduler, epoch, first_step, steps, device, args, save):
+    """One epoch from optimizer step first_step (after a mid-epoch resume, else 0), calling save(step)
+    every --save-every steps. Returns (globally reduced metrics, seconds, seconds spent waiting for data)."""
+    model.train()
+    meter = AverageMeter(device)
+    accum = args.grad_accum_steps
+    batches = iter(loader)
+    data_wait = interval_wait = 0.0
+    start = interval_start = time.perf_counter()
+    for step in range(first_step, steps):
+        for micro in range(accum):
+            t0 = time.perf_counter()
+            images, target = next(batches)
+            waited = time.perf_counter() - t0
+            data_wait, interval_wait = data_wait + waited, interval_wait + waited
+            images = images.to(device, non_blocking=True)
+            target = target.to(device, non_blocking=True)
+            # no_sync: accumulate gradients locally on all but the last micro-batch, so DDP
+            # all-reduces once per optimizer step instead of once per micro-batch.
+            skip_sync = micro < accum - 1 and isinstance(model, DDP)
+            with model.no_sync() if skip_sync else contextlib.nullcontext():
+                output = model(images)
+                loss = criterion(output, target)
+                # Dividing by the micro-batch count makes the accumulated gradient the mean over the
+                # whole global batch, as if it had been one batch.
+                (loss / accum).backward()
+            meter.update(loss.detach() * target.size(0), *correct_counts(output.detach(), target), target.size(0))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        if (step + 1) % args.print_freq == 0 or step + 1 == steps:
+            metrics = meter.reduced()  # the only host sync: once per print interval
+            now, done = time.perf_counter(), min(step % args.print_freq, step - first_step) + 1
+            log(f"Epoch: [{epoch}][{step + 1:{len(str(steps))}d}/{steps}]  Time {(now - interval_start) / done:6.3f}  "
+                f"Data {interval_wait / done:6.3f}  Loss {metrics['loss']:.4e}  Acc@1 {metrics['acc1']:6.2f}  "
+                f"Acc@5 {metrics['acc5']:6.2f}")
+            interval_start, interval_wait = now, 0.0
+            if not math.isfinite(metrics["loss"]):
+                raise diverged(f"the training loss is {metrics['loss']}", epoch, step + 1,
+                               optimizer.param_groups[0]["lr"])
+            if metrics["stop"]:  # a rank got SIGTERM or SIGUSR1: every rank stops after this same step
+                save(step + 1)
+                log(f"=> stopped on a signal after step {step + 1} of epoch {epoch}, checkpoint written: "
+                    "--resume auto continues from it")
+                raise Stopped()
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < steps:  # the last: main_worker's
+            save(step + 1)
+    return meter.reduced(), time.perf_counter() - start, data_wait
+
+
+def validate(loader, model, device):
+    """Exact evaluation: every val image counted once; (sum, count) reduced over ranks, not means. It
+    runs the plain model: the parallel wrapper's collectives, ranks with fewer val batches would not join."""
+    broadcast_buffers(model)
+    model.eval()
+    meter = AverageMeter(device)
+    with torch.no_grad():
+        for images, target in loader:
+            images = images.to(device, non_blocking=True)
+            target = target.to(device, non_blocking=True)
+            output = model(images)
+            meter.update(F.cross_entropy(output, target, reduction="none").double().sum(),
+                         *correct_counts(output, target), target.size(0))
+    metrics = meter.reduced()
+    log(f" * Acc@1 {metrics['acc1']:.3f} Acc@5 {metrics['acc5']:.3f} Loss {metrics['loss']:.4f} "
+        f"({metrics['count']} images)")
+    return metrics
+
+
+def finish(model, best_acc1=None):
+    """Report every rank's digest of the final model, then leave the process group cleanly."""
+    digests = all_gather_objects(state_digest(model))
+    summary("DONE", method=METHOD, state_sha256=digests, ranks_identical=len(set(digests)) == 1,
+            **({} if best_acc1 is None else {"best_acc1": best_acc1}))
+    if dist.is_initialized():
+        # A barrier before teardown: a rank that exits while a peer is still in a collective can
+        # make the peer abort at interpreter exit.
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# ---- helpers shared by every script: skip them on a first read ----
+# Byte-identical in every script (tests/test_consistency.py); tools/sync_shared.py copies a change.
 
 class UsageError(Exception):
-    """A problem with the user's input, that every rank meets: global rank 0 reports it as one line."""
+    """Bad input that every rank meets: global rank 0 reports it in one line, without a traceback."""
 
 
 class LocalError(UsageError):
-    """A problem that only some ranks meet (an image in their shard, a node short of GPUs): the rank
-    that meets it reports it, and the launcher stops the others."""
+    """Bad input that only some ranks meet (an image in their shard, a node short of GPUs): each of
+    them reports it, and the launcher stops the others."""
 
 
 def report(error):
-    """Print a UsageError as one line, without a traceback: by global rank 0, or where a LocalError arose."""
     if RANK == 0 or isinstance(error, LocalError):
         # Raised in a DataLoader worker, it comes back with the worker's traceback before its message.
-        message = str(error).rsplit(f"{type(error).__name__}: ", 1)[-1].strip()
-        print(f"error: {message}", file=sys.stderr, flush=True)
-
-
-def load_image(path):
-    """ImageFolder's loader (PIL, RGB), with an error naming a corrupt or truncated file."""
-    try:
-        return datasets.folder.pil_loader(path)
-    except (OSError, SyntaxError, ValueError) as e:  # what PIL raises for undecodable data
-        raise LocalError(f"cannot read image '{path}' ({e}): replace or delete the file") from None
+        print(f"error: {str(error).rsplit(type(error).__name__ + ': ', 1)[-1].strip()}", file=sys.stderr, flush=True)
 
 
 def log(*args, **kwargs):
@@ -131,149 +402,186 @@ def log(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
-class AverageMeter:
-    """Running sum and count kept as a tensor on the training device.
-
-    update() only queues device work; nothing waits for the GPU until the sums are reduced over
-    ranks (once per print interval and once per epoch), so logging costs no per-step sync.
-    """
-
-    def __init__(self, device, names=("loss", "acc1", "acc5")):
-        self.names = names
-        # float64 keeps sums of many float32 values exact enough that world size does not show.
-        self.sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=device)
-
-    def update(self, loss_sum, correct1, correct5, count):
-        self.sums[:-1] += torch.stack([loss_sum.double(), correct1.double(), correct5.double()])
-        self.sums[-1] += count  # a Python number: a kernel argument, not a host-to-device copy
-
-    def reduced(self):
-        """Sums over all ranks, as a dict of averages (acc in %) plus the global sample count."""
-        sums = self.sums.clone()
-        all_reduce_sum(sums)
-        values = sums.tolist()
-        count = values[-1]
-        result = {"count": int(count)}
-        for name, value in zip(self.names, values):
-            result[name] = value / max(count, 1) * (1 if name == "loss" else 100)
-        return result
+def summary(kind, **fields):
+    """One machine-readable JSON line (rank 0), for statistics.sh and the tests."""
+    log(f"{kind} " + json.dumps(fields))
 
 
-class ProgressMeter:
-    def __init__(self, num_batches, prefix=""):
-        width = len(str(num_batches))
-        self.fmt = "[{:" + str(width) + "d}/" + str(num_batches) + "]"
-        self.prefix = prefix
-
-    def display(self, batch, metrics, step_time, data_time):
-        log(f"{self.prefix}{self.fmt.format(batch)}  Time {step_time:6.3f}  Data {data_time:6.3f}  "
-            f"Loss {metrics['loss']:.4e}  Acc@1 {metrics['acc1']:6.2f}  Acc@5 {metrics['acc5']:6.2f}")
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, as for any bad input, not the usage text too
+        report(UsageError(message))
+        sys.exit(2)
 
 
-def correct_counts(output, target, topk=(1, 5)):
-    """Number of samples whose target is among the top-k predictions, for each k (as tensors)."""
-    maxk = min(max(topk), output.size(1))
-    pred = output.topk(maxk, dim=1).indices
-    hits = pred.eq(target.view(-1, 1))
-    return [hits[:, :min(k, maxk)].any(dim=1).sum() for k in topk]
+def number(kind, low, high=None, open_low=False):
+    """argparse type: a `kind` in [low, high] ((low, high] if open_low), else an error naming the range."""
+    def parse(text):
+        value = kind(text)
+        if value < low or (open_low and value == low) or (high is not None and value > high):
+            bounds = (f"> {low:g}" if open_low else f">= {low:g}") + (f" and <= {high:g}" if high is not None else "")
+            raise argparse.ArgumentTypeError(f"{text} is out of range: pass a number {bounds}")
+        return value
+    parse.__name__, parse.bounds = kind.__name__, (low, high)  # argparse names the type in its errors
+    return parse
 
 
-class ShardSampler(torch.utils.data.Sampler):
-    """Evaluation batch sampler: the val set is cut into batches of batch_size, and rank r takes
-    batches r, r+W, r+2W, ... with NO padding.
-
-    DistributedSampler pads the dataset with duplicates so every rank gets the same count, which
-    would count some val images twice. Unequal per-rank counts are fine here because evaluation
-    synchronises only once, after the loop. Cutting the batches before dealing them out puts every
-    image in the same batch at any world size; kernels may round differently for another batch
-    size, so this is what makes the per-image results, and the totals, bitwise identical.
-    """
-
-    def __init__(self, dataset, num_replicas, rank, batch_size):
-        starts = range(rank * batch_size, len(dataset), num_replicas * batch_size)
-        self.batches = [list(range(start, min(start + batch_size, len(dataset)))) for start in starts]
-
-    def __iter__(self):
-        return iter(self.batches)
-
-    def __len__(self):
-        return len(self.batches)
-
-
-class ResumableSampler(torch.utils.data.distributed.DistributedSampler):
-    """DistributedSampler whose epoch can start part-way: set_epoch(epoch, skip) leaves out the first
-    `skip` indices of this rank's share, the samples a mid-epoch checkpoint had already trained on.
-
-    The ranks' shares interleave (rank r takes positions r, r+W, ...), so skipping k*B/W on every
-    rank skips exactly the first k global batches of B, at any world size.
-    """
-
-    skip = 0
-
-    def set_epoch(self, epoch, skip=0):
-        super().set_epoch(epoch)
-        self.skip = skip
-
-    def __iter__(self):
-        return itertools.islice(super().__iter__(), self.skip, None)
-
-    def __len__(self):
-        return super().__len__() - self.skip
+def training_arguments(description):
+    """A parser with the flags every script shares (named as in pytorch/examples' imagenet)."""
+    parser = ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = parser.add_argument
+    add("--data", metavar="DIR", help="dataset root holding train/ and val/ in ImageFolder layout")
+    add("--dummy", action="store_true", help="synthetic images (torchvision's FakeData) instead of --data")
+    add("--dummy-samples", type=number(int, 1), default=10000, help="--dummy train images (val: a tenth)")
+    add("-a", "--arch", default="resnet18", help="torchvision classification model")
+    add("--norm", choices=["batch", "group"], default="batch",
+        help="BatchNorm, or GroupNorm(32) for ResNets (per sample: the per-rank batch does not matter)")
+    add("--image-size", type=number(int, 1), default=224, help="train crop; val resizes to size*256/224, crops size")
+    add("--min-crop-scale", type=number(float, 0, 1, open_low=True), default=0.08,
+        help="smallest area RandomResizedCrop keeps (ImageNet: 0.08; tiny images such as the demo's: ~0.35)")
+    add("-j", "--workers", type=number(int, 0), default=4, help="data loading workers per process")
+    add("--epochs", type=number(int, 1), default=90, help="total epochs to run")
+    add("-b", "--batch-size", type=number(int, 1), default=256,
+        help="GLOBAL batch per optimizer step, split over all processes and --grad-accum-steps micro-batches")
+    add("--val-batch-size", type=number(int, 1), default=64, help="evaluation batch per process, at any world size")
+    add("--grad-accum-steps", type=number(int, 1), default=1,
+        help="micro-batches per optimizer step; gradients are averaged over ranks once per step")
+    add("--lr", "--learning-rate", type=number(float, 0, open_low=True), default=0.1,
+        help="lr for a global batch of 256: the lr used is lr * b / 256 (linear scaling rule, Goyal et al. 2017)")
+    add("--warmup-epochs", type=number(float, 0), default=0.0, help="ramp the lr up linearly over these, per step")
+    add("--lr-step-size", type=number(int, 1), default=30, help="multiply the lr by --lr-gamma every N epochs")
+    add("--lr-gamma", type=number(float, 0, 1, open_low=True), default=0.1, help="lr decay factor")
+    add("--momentum", type=number(float, 0, 1), default=0.9, help="SGD momentum")
+    add("--wd", "--weight-decay", type=number(float, 0), default=1e-4, dest="weight_decay", help="weight decay")
+    add("-p", "--print-freq", type=number(int, 1), default=10, help="print (and reduce metrics) every N steps")
+    add("--output-dir", default="checkpoints", help="where checkpoints are written")
+    add("--save-every", type=number(int, 0), default=0, metavar="N",
+        help="also checkpoint every N steps (0: at epoch ends only); resumed, it skips the batches trained on")
+    add("--resume", default="", metavar="PATH", help="checkpoint to resume from; 'auto': --output-dir's, if any")
+    add("-e", "--evaluate", action="store_true", help="evaluate the model on val and exit")
+    add("--seed", type=number(int, 0), help="seed everything, deterministic kernels (bitwise-reproducible on CPU)")
+    add("--cpu", action="store_true", help="use the CPU even if GPUs are visible")
+    return parser
 
 
-class SampleSeeded(torch.utils.data.Dataset):
-    """Gives every sample's random augmentation its own seed, derived from (seed, epoch, index).
-
-    An image then gets the same crop and flip whatever the world size, worker count or restart,
-    so N processes see exactly the batches one process would, and a resumed run continues exactly.
-    """
-
-    def __init__(self, dataset, seed):
-        self.dataset, self.seed, self.epoch = dataset, seed, 0
-
-    def set_epoch(self, epoch):
-        self.epoch = epoch
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitem__(self, index):
-        with torch.random.fork_rng(devices=[]):
-            # Only the CPU generator, which the transforms draw from: torch.manual_seed would also
-            # seed every CUDA device, 50x slower per image.
-            torch.random.default_generator.manual_seed(
-                ((self.seed * 1_000_003 + self.epoch) * 1_000_000_007 + index) % 2**63)
-            return self.dataset[index]
+def seed_everything(seed):
+    """--seed: seeded generators and deterministic kernels; without it, cuDNN picks the fastest ones."""
+    if seed is None:
+        torch.backends.cudnn.benchmark = True
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS needs it before it starts
+    random.seed(seed)
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-class DummyImages(torch.utils.data.Dataset):
-    """Synthetic images for benchmarking: a bank of 64 random images, so memory stays bounded."""
+STOP_SIGNALS = []  # the stop signals this process received (stop_on_signals)
 
-    def __init__(self, count, image_size, num_classes):
-        generator = torch.Generator().manual_seed(count)
-        self.bank = torch.randn(64, 3, image_size, image_size, generator=generator)
-        self.count, self.num_classes = count, num_classes
 
-    def __len__(self):
-        return self.count
+class Stopped(Exception):
+    """Every rank stopped training after the same step, on a signal, and rank 0 wrote a checkpoint."""
 
-    def __getitem__(self, index):
-        return self.bank[index % len(self.bank)], index % self.num_classes
+
+def stop_on_signals():
+    """SIGTERM (a launcher ending the job: torchrun passes it on, Slurm sends it on preemption) and
+    SIGUSR1 (Slurm's warning before the time limit, #SBATCH --signal) ask training to stop: the
+    ranks agree on a step at their next metrics reduction (train), checkpoint it and exit 143."""
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, lambda received, frame: STOP_SIGNALS.append(received))
+    # The DataLoader workers ignore them (ignore_stop_signals), so multiprocessing's exit, which ends
+    # leftover workers by SIGTERM and then waits for them, would wait for ever: kill them first.
+    atexit.register(lambda: [child.kill() for child in multiprocessing.active_children()])
+
+
+def ignore_stop_signals(worker_id):
+    """DataLoader worker_init_fn: launchers signal a worker's whole process group, loader workers too,
+    which would die of it (torch's handler) before their trainer has stopped."""
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
+
+
+def diverged(what, epoch, step, lr):
+    return UsageError(f"{what} in epoch {epoch} at step {step}: the training diverged (no checkpoint was written "
+                      f"since): lower --lr (the lr was {lr:g}), add --warmup-epochs, or try another --amp-dtype")
+
+
+def check_finite(tensors, epoch, step, lr):
+    """Before a checkpoint is written: its weights are finite, on every rank (one small collective)."""
+    bad = all_reduce_sum(torch.stack([t.detach().isfinite().all().logical_not() for t in tensors]).sum().double())
+    if bad.item():
+        raise diverged("the weights are not finite", epoch, step, lr)
+
+
+def pick_device(args, local_rank, local_world_size):
+    """GPU `local_rank` of this node where torch sees GPUs (torch.accelerator: CUDA for this build),
+    else the CPU; --cpu forces the CPU."""
+    accelerator = None if args.cpu else torch.accelerator.current_accelerator(check_available=True)
+    if accelerator is None:
+        return torch.device("cpu")
+    if local_world_size > torch.accelerator.device_count():
+        # All processes of this node fail alike: its local rank 0 says why (rank 0 may be on another node).
+        raise (LocalError if local_rank == 0 else UsageError)(
+            f"{local_world_size} processes on this node, which shows {torch.accelerator.device_count()} GPU(s): "
+            "start at most one process per GPU")
+    torch.accelerator.set_device_index(local_rank)  # before any GPU work, so nothing lands on GPU 0 by accident
+    return torch.device(accelerator.type, local_rank)
+
+
+def check_batch(args, world_size, replicas=1, sync_bn=False):
+    """-b must split into world_size processes x --grad-accum-steps micro-batches (x `replicas` in
+    each process: DataParallel's GPUs) and leave BatchNorm at least 2 images in each."""
+    if args.evaluate:
+        return
+    if args.batch_size % (world_size * args.grad_accum_steps):
+        raise UsageError(f"global batch -b {args.batch_size} must be a multiple of world size {world_size} "
+                         f"x --grad-accum-steps {args.grad_accum_steps}")
+    shares = torch.arange(args.batch_size // world_size // args.grad_accum_steps).chunk(replicas)
+    if args.norm == "batch" and not sync_bn and min(len(share) for share in shares) < 2:
+        raise UsageError(f"-b {args.batch_size} leaves 1 image per process and micro-batch"
+                         f"{' and GPU' if replicas > 1 else ''}, too few for BatchNorm's statistics: raise -b, "
+                         "or pass --norm group (or --sync-bn on GPUs)")
+
+
+def check_output_dir(args):
+    """Rank 0 writes the checkpoints: it finds out now, not after an epoch, if it cannot."""
+    if RANK == 0 and not args.evaluate:
+        try:
+            os.makedirs(args.output_dir, exist_ok=True)
+            tempfile.TemporaryFile(dir=args.output_dir).close()
+        except OSError as e:
+            raise UsageError(f"cannot write checkpoints to --output-dir '{args.output_dir}': {e.strerror}") from None
+
+
+def load_image(path):
+    """ImageFolder's loader, with an error naming a corrupt or truncated file."""
+    try:
+        return datasets.folder.pil_loader(path)
+    except (OSError, SyntaxError, ValueError) as e:  # what PIL raises for undecodable data
+        raise LocalError(f"cannot read image '{path}' ({e}): replace or delete the file") from None
 
 
 def build_datasets(args):
     """Train and val datasets plus the class count; bad data directories raise UsageError."""
     if args.dummy:
-        num_classes = 1000
-        return (DummyImages(args.dummy_samples, args.image_size, num_classes),
-                DummyImages(max(1, args.dummy_samples // 10), args.image_size, num_classes), num_classes)
+        shape, val_count = (3, args.image_size, args.image_size), max(1, args.dummy_samples // 10)
+        return (datasets.FakeData(args.dummy_samples, shape, 1000, transforms.ToTensor()),
+                datasets.FakeData(val_count, shape, 1000, transforms.ToTensor(), random_offset=args.dummy_samples),
+                1000)
     if not args.data:
         raise UsageError("no dataset: pass --data DIR (with DIR/train and DIR/val) or --dummy")
     for split in ("train", "val"):
-        path = os.path.join(args.data, split)
-        if not os.path.isdir(path):
-            raise UsageError(f"{path} is not a directory: --data must hold train/ and val/ in ImageFolder "
-                             "layout (python tools/make_demo_data.py writes a demo set)")
+        top = os.path.join(args.data, split)
+        if not os.path.isdir(top):
+            raise UsageError(f"{top} is not a directory: --data must hold train/ and val/ in ImageFolder layout "
+                             "(python tools/make_demo_data.py writes a demo set)")
+        # ImageFolder follows symlinks to directories: one back to a directory it is in would add every
+        # image below that again, to its class, until the path grows too long for the OS.
+        for path, dirs, _ in os.walk(top, followlinks=True):
+            parts = os.path.relpath(path, top).split(os.sep)
+            above = {os.path.realpath(os.path.join(top, *parts[:i])) for i in range(len(parts) + 1)}
+            for name in dirs:
+                if os.path.realpath(os.path.join(path, name)) in above:
+                    raise UsageError(f"symlink loop in --data: '{os.path.join(path, name)}' leads back to "
+                                     f"'{os.path.realpath(os.path.join(path, name))}': remove or replace the link")
     normalize = transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
     train_tf = transforms.Compose([transforms.RandomResizedCrop(args.image_size, scale=(args.min_crop_scale, 1.0)),
                                    transforms.RandomHorizontalFlip(), transforms.ToTensor(), normalize])
@@ -295,14 +603,99 @@ def build_model(args, num_classes):
     known = models.list_models(module=models)
     if args.arch not in known:
         close = difflib.get_close_matches(args.arch, known, n=3)
-        hint = f"did you mean {', '.join(close)}?" if close else "see torchvision.models.list_models()"
-        raise UsageError(f"unknown --arch '{args.arch}': {hint}")
+        raise UsageError(f"unknown --arch '{args.arch}': "
+                         + (f"did you mean {', '.join(close)}?" if close else "see torchvision.models.list_models()"))
     kwargs = {"num_classes": num_classes}
     if args.norm == "group":
         if not args.arch.startswith(("resnet", "resnext", "wide_resnet")):
             raise UsageError(f"--norm group needs a ResNet-family --arch, not '{args.arch}'")
         kwargs["norm_layer"] = lambda channels: nn.GroupNorm(32, channels)
+    with torch.device("meta"):  # shapes only, no memory or compute: an image size the model cannot take fails here
+        try:
+            models.get_model(args.arch, **kwargs)(torch.empty(2, 3, args.image_size, args.image_size))
+        except (RuntimeError, ValueError, AssertionError) as e:
+            raise UsageError(f"--image-size {args.image_size} is too small for --arch {args.arch} "
+                             f"({str(e).splitlines()[0]}): pass a larger one") from None
     return models.get_model(args.arch, **kwargs)
+
+
+class SampleSeeded(torch.utils.data.Dataset):
+    """Seeds each sample's random augmentation from (seed, epoch, index): an image gets the same crop
+    and flip at any world size, worker count or restart, so N processes see exactly the batches one
+    process would, and a resumed run continues exactly."""
+
+    def __init__(self, dataset, seed):
+        self.dataset, self.seed, self.epoch = dataset, seed, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        with torch.random.fork_rng(devices=[]):
+            # The CPU generator only, which the transforms draw from (torch.manual_seed would seed
+            # every GPU too: 50x slower per image).
+            torch.random.default_generator.manual_seed(
+                ((self.seed * 1_000_003 + self.epoch) * 1_000_000_007 + index) % 2**63)
+            return self.dataset[index]
+
+
+class ResumableSampler(torch.utils.data.distributed.DistributedSampler):
+    """DistributedSampler whose epoch can start part-way: set_epoch(epoch, skip) leaves out the first
+    `skip` indices of this rank's share, the samples a mid-epoch checkpoint had already trained on.
+    Shares interleave (rank r takes positions r, r+W, ...), so skipping k*B/W on every rank skips
+    exactly the first k global batches of B, at any world size."""
+
+    skip = 0
+
+    def set_epoch(self, epoch, skip=0):
+        super().set_epoch(epoch)
+        self.skip = skip
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self):
+        return super().__len__() - self.skip
+
+
+def shard_batches(count, num_replicas, rank, batch_size):
+    """Rank `rank`'s evaluation batches: the val set cut into batches of batch_size, dealt out
+    round-robin, with NO padding (DistributedSampler pads with duplicates, which would count some
+    images twice; unequal shares are fine, as evaluation synchronises once, after its loop). Every
+    image lands in the same batch at any world size, so even the rounding is identical."""
+    starts = range(rank * batch_size, count, num_replicas * batch_size)
+    return [list(range(start, min(start + batch_size, count))) for start in starts]
+
+
+class AverageMeter:
+    """Sums of loss, top-1 and top-5 hits and the sample count, on the training device: update()
+    only queues device work, and nothing waits for the GPU until reduced() (once per print interval
+    and once per epoch), so logging costs no per-step sync. The reduction also carries the stop
+    signals the ranks received: "stop" is true on every rank once one was asked to stop."""
+
+    def __init__(self, device):
+        self.sums = torch.zeros(5, dtype=torch.float64, device=device)  # float64: exact enough at any world size
+
+    def update(self, loss_sum, correct1, correct5, count):
+        self.sums[:3] += torch.stack([loss_sum.double(), correct1.double(), correct5.double()])
+        self.sums[3] += count  # a Python number: a kernel argument, not a host-to-device copy
+
+    def reduced(self):
+        self.sums[4] = len(STOP_SIGNALS)
+        loss, correct1, correct5, count, stop = all_reduce_sum(self.sums.clone()).tolist()
+        per = max(count, 1)
+        return {"count": int(count), "loss": loss / per, "acc1": correct1 / per * 100, "acc5": correct5 / per * 100,
+                "stop": stop > 0}
+
+
+def correct_counts(output, target, topk=(1, 5)):
+    """Number of samples whose target is among the top-k predictions, for each k (as tensors)."""
+    maxk = min(max(topk), output.size(1))
+    hits = output.topk(maxk, dim=1).indices.eq(target.view(-1, 1))
+    return [hits[:, :min(k, maxk)].any(dim=1).sum() for k in topk]
 
 
 def lr_schedule(args, steps_per_epoch):
@@ -316,8 +709,8 @@ def lr_schedule(args, steps_per_epoch):
 
 
 def rng_state(devices):
-    """Every random generator this process draws from: the CPU's, Python's, and those of the GPUs in
-    `devices` (the ones it trains on: --cpu never starts CUDA). CPU tensors, so it loads anywhere."""
+    """Every generator this process draws from: the CPU's, Python's and those of the GPUs in `devices`
+    (the ones it trains on: --cpu never starts CUDA). CPU tensors, so it loads anywhere."""
     return {"torch": torch.get_rng_state(), "python": random.getstate(),
             "devices": [torch.get_device_module(d).get_rng_state(d) for d in devices if d.type != "cpu"]}
 
@@ -363,12 +756,18 @@ def save_checkpoint(state, is_best, output_dir):
         raise
 
 
-def load_checkpoint(path, arch):
-    """Load a checkpoint written by save_checkpoint; weights_only=True never runs pickled code.
+def load_checkpoint(args, model):
+    """Load --resume's checkpoint into the model and return it; None to start fresh ('auto' without one).
 
-    Everything is loaded onto the CPU, whatever device wrote it: load_state_dict then copies the
-    weights to the model's device, and the RNG states must stay CPU tensors.
+    weights_only=True never runs pickled code. It is loaded onto the CPU, whatever device wrote it:
+    load_state_dict copies the weights to the model's device, and RNG states stay CPU tensors.
     """
+    path = os.path.join(args.output_dir, "checkpoint.pth") if args.resume == "auto" else args.resume
+    if args.resume == "auto" and not os.path.isfile(path):
+        log(f"=> --resume auto: no checkpoint in '{args.output_dir}', starting fresh")
+        return None
+    if not path:
+        return None
     if not os.path.isfile(path):
         raise UsageError(f"no checkpoint at '{path}': pass an existing file to --resume (or --resume auto)")
     try:
@@ -379,419 +778,58 @@ def load_checkpoint(path, arch):
                          f"checkpoint): {reason}") from None
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise UsageError(f"'{path}' is not a checkpoint written by this cookbook (no state_dict)")
-    if checkpoint.get("arch") != arch:
-        raise UsageError(f"checkpoint '{path}' is for arch '{checkpoint.get('arch')}', not '{arch}': "
-                         f"pass -a {checkpoint.get('arch')} or another checkpoint")
+    check_resumable(checkpoint, path, args)
+    try:
+        model.load_state_dict(checkpoint["state_dict"])
+    except RuntimeError as e:
+        raise UsageError(f"checkpoint '{path}' does not fit this model ({str(e).splitlines()[0]}): "
+                         "check -a and the number of classes") from None
+    log(f"=> loaded checkpoint '{path}' (epoch {checkpoint['epoch']}, step {checkpoint.get('step', 0)})")
     return checkpoint
 
 
-def load_optimizer_state(optimizer, state):
-    """optimizer.load_state_dict, but keeping this run's choice of implementation (fused or foreach),
-    which the checkpoint's param groups would otherwise replace with the saving run's."""
-    chosen = [{key: group[key] for key in ("fused", "foreach") if key in group} for group in optimizer.param_groups]
-    optimizer.load_state_dict(state)
-    for group, keep in zip(optimizer.param_groups, chosen):
-        group.update(keep)
+def check_resumable(checkpoint, path, args):
+    """A checkpoint of another arch, or one that stopped in an epoch resumed with another -b (the
+    batches to skip are batches of its -b), is one error line."""
+    if checkpoint.get("arch") != args.arch:
+        raise UsageError(f"checkpoint '{path}' is for arch '{checkpoint.get('arch')}', not '{args.arch}': "
+                         f"pass -a {checkpoint.get('arch')} or another checkpoint")
+    if checkpoint.get("step") and checkpoint["args"]["batch_size"] != args.batch_size and not args.evaluate:
+        raise UsageError(f"checkpoint '{path}' stopped in an epoch, after step {checkpoint['step']} of -b "
+                         f"{checkpoint['args']['batch_size']}: resume it with that -b")
 
 
-def state_digest(module):
+def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_size, devices, args):
+    """Restore a loaded checkpoint's training state: returns (start epoch, start step, best top-1)."""
+    if checkpoint is None:
+        return 0, 0, 0.0
+    if not args.evaluate:
+        if "optimizer" in checkpoint:  # (FSDP's sharded checkpoints restore it from their shards)
+            # The saved param groups would also replace this run's choice of implementation (fused, foreach).
+            chosen = [{key: group[key] for key in ("fused", "foreach") if key in group}
+                      for group in optimizer.param_groups]
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            for group, keep in zip(optimizer.param_groups, chosen):
+                group.update(keep)
+        scheduler.load_state_dict(checkpoint["scheduler"])
+        if len(checkpoint["rng"]) == world_size:
+            set_rng_state(checkpoint["rng"][rank], devices)
+            train_loader.generator.set_state(checkpoint["rng"][rank]["loader"])
+        else:
+            log(f"=> checkpoint has RNG state for {len(checkpoint['rng'])} ranks, not {world_size}: "
+                "data order stays exact, other random state is reseeded")
+    return checkpoint["epoch"], checkpoint.get("step", 0), checkpoint["best_acc1"]
+
+
+def state_digest(model):
     """SHA-256 of every parameter and buffer: equal digests mean bitwise-identical models."""
     digest = hashlib.sha256()
-    for name, tensor in module.state_dict().items():
+    for name, tensor in model.state_dict().items():
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
-
-def summary(kind, **fields):
-    """One machine-readable JSON line (rank 0), for statistics.sh and the tests."""
-    log(f"{kind} " + json.dumps(fields, sort_keys=False))
-
 # ---- end of shared helpers ----
-
-
-# ---- communication: the lines each method does its own way ----
-
-def all_reduce_sum(tensor):
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
-
-
-def all_gather_objects(obj):
-    if dist.is_available() and dist.is_initialized():
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, obj)
-        return gathered
-    return [obj]
-
-
-def broadcast_buffers(module):
-    """Copy rank 0's BatchNorm running statistics to every rank.
-
-    DDP averages gradients, so parameters stay identical, but each rank updates its running
-    statistics from its own batch. Evaluating or saving with rank 0's buffers everywhere makes the
-    distributed evaluation equal to a single-process evaluation of the saved checkpoint.
-    """
-    if dist.is_available() and dist.is_initialized():
-        for buffer in module.buffers():
-            dist.broadcast(buffer, src=0)
-
-
-def setup_distributed(args):
-    """Check the launch, pick the device and join the process group: (rank, world, local rank, device).
-
-    Every input check runs before the rendezvous, so a bad flag fails all ranks alike and at once.
-    """
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ["LOCAL_RANK"])
-    # The accelerator torch was built for (CUDA here) if one is visible, else the CPU; --cpu forces it.
-    accelerator = None if args.cpu else torch.accelerator.current_accelerator(check_available=True)
-    if args.sync_bn and (accelerator is None or accelerator.type != "cuda"):
-        raise UsageError("--sync-bn needs CUDA: SyncBatchNorm works only with CUDA modules (drop --sync-bn on CPU)")
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes on this node, from the launcher
-    if accelerator is not None and local_world_size > torch.accelerator.device_count():
-        # All processes of this node fail alike: its local rank 0 says why (rank 0 may be on another node).
-        raise (LocalError if local_rank == 0 else UsageError)(
-            f"{local_world_size} processes on this node, which shows {torch.accelerator.device_count()} GPU(s): "
-            "start at most one process per GPU")
-    if not args.evaluate and (args.batch_size < world_size * args.grad_accum_steps
-                              or args.batch_size % (world_size * args.grad_accum_steps)):
-        raise UsageError(f"global batch -b {args.batch_size} must be a multiple of world size {world_size} "
-                         f"x --grad-accum-steps {args.grad_accum_steps}")
-    if (not args.evaluate and args.norm == "batch" and not args.sync_bn
-            and args.batch_size == world_size * args.grad_accum_steps):
-        raise UsageError(f"-b {args.batch_size} leaves 1 image per process and micro-batch, too few for BatchNorm's "
-                         "statistics: raise -b, or pass --norm group (or --sync-bn on GPUs)")
-    if RANK == 0 and not args.evaluate:
-        try:
-            os.makedirs(args.output_dir, exist_ok=True)
-            tempfile.TemporaryFile(dir=args.output_dir).close()
-        except OSError as e:
-            raise UsageError(f"cannot write checkpoints to --output-dir '{args.output_dir}': {e.strerror}") from None
-    if accelerator is None:
-        device = torch.device("cpu")
-    else:
-        # Pick this process's GPU before any GPU work, so nothing is allocated on GPU 0 by accident.
-        torch.accelerator.set_device_index(local_rank)
-        device = torch.device(accelerator.type, local_rank)
-    if world_size > 1:
-        try:
-            # nccl on GPUs, gloo on the CPU; device_id binds the group to this GPU (none on the CPU).
-            dist.init_process_group(dist.get_default_backend_for_device(device),
-                                    timeout=timedelta(seconds=args.dist_timeout),
-                                    device_id=None if device.type == "cpu" else device)
-        except dist.DistNetworkError as e:
-            raise UsageError(f"cannot join the process group at {os.environ.get('MASTER_ADDR')}:"
-                             f"{os.environ.get('MASTER_PORT')} ({str(e).splitlines()[0]}): if the port is "
-                             "in use pass another --port") from None
-    return RANK, world_size, local_rank, device
-
-
-def stalled_ranks(grace=5.0):
-    """After a collective timed out, the ranks that stalled.
-
-    The timed-out group's connections are closed, so every rank still alive checks in on the
-    rendezvous store instead (torchrun's, or rank 0's without it) and, after `grace` seconds for the
-    others to time out too, lists who did not. A store that does not answer is rank 0's: rank 0 stalled.
-    """
-    if "MASTER_ADDR" not in os.environ:  # a file:// rendezvous: no store to meet on
-        return []
-    key = f"cookbook/alive/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"  # one namespace per torchrun attempt
-    world_size, alive = dist.get_world_size(), []
-
-    def check_in():  # in a thread: a client of a stopped store waits for ever, whatever its timeout
-        try:
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                  timeout=timedelta(seconds=grace))
-            store.set(key + str(RANK), "1")
-            time.sleep(grace)
-            alive.extend(r for r in range(world_size) if store.check([key + str(r)]))
-        except dist.DistError:
-            pass
-
-    thread = threading.Thread(target=check_in, daemon=True)
-    thread.start()
-    thread.join(3 * grace)
-    return [r for r in range(world_size) if r not in alive] if alive else [0]
-
-
-def check_launch(args):
-    """Checks made once, before any process starts; picks --nprocs and the rendezvous port."""
-    gpus = 0 if args.cpu else torch.accelerator.device_count()
-    if args.nprocs is None:
-        args.nprocs = gpus or 2
-    if args.nprocs < 1 or (gpus and args.nprocs > gpus):
-        raise UsageError(f"--nprocs {args.nprocs}: pass at least 1, and at most one per visible GPU ({gpus})")
-    if not 0 <= args.node_rank < args.nnodes:
-        raise UsageError(f"--node-rank {args.node_rank} must be in 0..{args.nnodes - 1} (--nnodes {args.nnodes})")
-    if args.port is None and args.nnodes > 1:
-        raise UsageError("--nnodes > 1 needs --port: pass the same free port of node 0 on every node")
-    if args.node_rank == 0:
-        # Node 0's rank 0 will listen on the port: a taken port fails here in one line, before the
-        # processes start, instead of as a rendezvous error (or hang) in each of them.
-        with socket.socket() as probe:
-            try:
-                probe.bind((args.ip, args.port or 0))  # port 0: the OS picks a free one
-            except OSError as e:
-                raise UsageError(f"cannot listen on --ip {args.ip} --port {args.port} ({e.strerror}): "
-                                 "pass a free --port (or none, to pick one)") from None
-            args.port = probe.getsockname()[1]
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    try:
-        check_launch(args)
-        # A fresh interpreter per process ("spawn", not fork): CUDA cannot be re-initialised in a
-        # forked child. Each runs worker(local_rank, args).
-        processes = mp.spawn(worker, args=(args,), nprocs=args.nprocs, join=False)
-        # A bad flag fails every process alike: the grace period lets rank 0 print its error line
-        # before the others are stopped.
-        while not processes.join(grace_period=10):
-            pass
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    except mp.ProcessExitedException as e:
-        # A failed process has printed its own error line; one killed by a signal has not.
-        sys.exit(e.exit_code if e.exit_code > 0 else f"error: {e}")
-
-
-def worker(local_rank, args):
-    """Each spawned process: set what a launcher would have set (setup_distributed reads it), then train."""
-    global RANK
-    # A spawned process inherits the parent's "spawn" start method, so its DataLoader workers would
-    # start a fresh interpreter (and import torch) every epoch: 12.4 s per demo epoch instead of 7.5
-    # here. Back to the platform's default (fork on Linux), as under torchrun.
-    mp.set_start_method(None, force=True)
-    RANK = args.node_rank * args.nprocs + local_rank
-    os.environ.update(MASTER_ADDR=args.ip, MASTER_PORT=str(args.port), WORLD_SIZE=str(args.nnodes * args.nprocs),
-                      RANK=str(RANK), LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(args.nprocs))
-    try:
-        main_worker(args)
-    except UsageError as e:
-        report(e)
-        sys.exit(2)
-    except RuntimeError as e:
-        # gloo's words for a timed-out collective: on the one that waited, or on a later one that
-        # found its connections closed by the timeout.
-        if not (dist.is_initialized() and ("Timed out waiting" in str(e) or "Application timeout" in str(e))):
-            raise
-        stalled = stalled_ranks()
-        if not stalled:
-            raise
-        if RANK == min(set(range(dist.get_world_size())) - set(stalled)):  # one line, from the lowest live rank
-            print(f"error: rank(s) {', '.join(map(str, stalled))} stalled: the others waited --dist-timeout "
-                  f"{args.dist_timeout:g} s for them in a collective (a hang, a stopped process, or far slower "
-                  "work: py-spy dump shows where it is)", file=sys.stderr, flush=True)
-        sys.exit(1)
-
-
-def main_worker(args):
-    if args.seed is not None:
-        # Deterministic kernels; cuBLAS needs this workspace setting before it starts.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        random.seed(args.seed)
-        torch.manual_seed(args.seed)
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    else:
-        torch.backends.cudnn.benchmark = True
-    train_set, val_set, num_classes = build_datasets(args)
-    model = build_model(args, num_classes)
-    rank, world_size, local_rank, device = setup_distributed(args)
-    if args.sync_bn:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    model.to(device)
-    if world_size > 1:
-        # DDP broadcasts rank 0's initial weights, then all-reduces (averages) gradients in backward.
-        model = DDP(model)  # already on this process's device: no device_ids needed, on GPUs or CPU
-    module = model.module if isinstance(model, DDP) else model
-    log(f"=> {METHOD}: world size {world_size}, device {device.type}, arch {args.arch}, "
-        f"global batch {args.batch_size} ({args.batch_size // world_size // args.grad_accum_steps} per process "
-        f"x {args.grad_accum_steps} micro-batches), launcher mp.spawn")
-
-    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
-    train_set = SampleSeeded(train_set, seed)
-    # DistributedSampler gives each rank a disjoint 1/W of a permutation that depends only on
-    # (seed, epoch), so rank r's micro-batches of one step together form the same global batch a
-    # single process would take. drop_last: drop the tail instead of padding it with duplicates.
-    train_sampler = ResumableSampler(
-        train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
-    micro_batch = max(1, args.batch_size // world_size // args.grad_accum_steps)  # -e skips the -b checks
-    loader_kwargs = {"num_workers": args.workers, "pin_memory": device.type != "cpu"}
-    train_loader = torch.utils.data.DataLoader(
-        train_set, batch_size=micro_batch, sampler=train_sampler, drop_last=True,
-        generator=torch.Generator().manual_seed(seed + rank), **loader_kwargs)
-    val_loader = torch.utils.data.DataLoader(
-        val_set, batch_sampler=ShardSampler(val_set, world_size, rank, args.val_batch_size), **loader_kwargs)
-    steps_per_epoch = len(train_loader) // args.grad_accum_steps
-    if steps_per_epoch == 0 and not args.evaluate:
-        raise UsageError(f"the train set ({len(train_set)} images) is smaller than one global batch "
-                         f"(-b {args.batch_size}): lower -b")
-    if args.save_every < 0:
-        raise UsageError(f"--save-every {args.save_every}: pass a number of steps, or 0 to checkpoint at epoch "
-                         "ends only")
-
-    criterion = nn.CrossEntropyLoss()
-    optimizer = torch.optim.SGD(model.parameters(), args.lr * args.batch_size / 256,
-                                momentum=args.momentum, weight_decay=args.weight_decay)
-    for group in optimizer.param_groups:
-        group["initial_lr"] = group["lr"]
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(args, max(1, steps_per_epoch)),
-                                                  last_epoch=args.start_epoch * steps_per_epoch - 1)
-
-    best_acc1, start_step = 0.0, 0
-    resume = args.resume
-    if resume == "auto":
-        resume = os.path.join(args.output_dir, "checkpoint.pth")
-        if not os.path.isfile(resume):
-            log(f"=> --resume auto: no checkpoint in '{args.output_dir}', starting fresh")
-            resume = ""
-    if resume:
-        checkpoint = load_checkpoint(resume, args.arch)
-        try:
-            module.load_state_dict(checkpoint["state_dict"])
-        except RuntimeError as e:
-            raise UsageError(f"checkpoint '{resume}' does not fit this model ({str(e).splitlines()[0]}): "
-                             "check -a and the number of classes") from None
-        args.start_epoch, start_step = checkpoint["epoch"], checkpoint.get("step", 0)
-        if start_step and checkpoint["args"]["batch_size"] != args.batch_size:  # the steps to skip are its batches
-            raise UsageError(f"checkpoint '{resume}' stopped in an epoch, after step {start_step} of -b "
-                             f"{checkpoint['args']['batch_size']}: resume it with that -b")
-        best_acc1 = checkpoint["best_acc1"]
-        if not args.evaluate:
-            load_optimizer_state(optimizer, checkpoint["optimizer"])
-            scheduler.load_state_dict(checkpoint["scheduler"])
-            if len(checkpoint["rng"]) == world_size:
-                set_rng_state(checkpoint["rng"][rank], [device])
-                train_loader.generator.set_state(checkpoint["rng"][rank]["loader"])
-            else:
-                log(f"=> checkpoint has RNG state for {len(checkpoint['rng'])} ranks, not {world_size}: "
-                    "data order stays exact, other random state is reseeded")
-        log(f"=> loaded checkpoint '{resume}' (epoch {args.start_epoch}, step {start_step})")
-
-    if args.evaluate:
-        val = validate(val_loader, model, device)
-        summary("SUMMARY", method=METHOD, launcher="mp.spawn", world_size=world_size,
-                device=device.type, epoch=args.start_epoch - 1, **{f"val_{k}": v for k, v in val.items()})
-        return finish(model)
-
-    def save(epoch, step, loader_state, is_best=False):
-        """Checkpoint the state after `step` optimizer steps of `epoch` (a whole epoch: epoch + 1, step 0)."""
-        rngs = all_gather_objects(dict(rng_state([device]), loader=loader_state))  # collective: all ranks' RNG
-        if rank == 0:
-            save_checkpoint({"epoch": epoch, "step": step, "arch": args.arch, "state_dict": module.state_dict(),
-                             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                             "best_acc1": best_acc1, "world_size": world_size, "rng": rngs,
-                             "args": vars(args)}, is_best, args.output_dir)
-
-    for epoch in range(args.start_epoch, args.epochs):
-        # set_epoch reshuffles: without it every epoch would visit the data in the same order. After
-        # a mid-epoch checkpoint, the batches it had trained on are skipped, not loaded and dropped.
-        train_sampler.set_epoch(epoch, skip=start_step * args.grad_accum_steps * micro_batch)
-        train_set.set_epoch(epoch)
-        # The loader draws its workers' seeds from its generator as the epoch starts: mid-epoch
-        # checkpoints keep the state from before that draw, so a resumed epoch makes the same one.
-        loader_state = train_loader.generator.get_state()
-        start = time.perf_counter()
-        train_metrics, train_time, data_wait = train(train_loader, model, criterion, optimizer, scheduler, epoch,
-                                                     start_step, steps_per_epoch, device, args,
-                                                     lambda step: save(epoch, step, loader_state))
-        start_step = 0
-        val = validate(val_loader, model, device)
-        epoch_time = time.perf_counter() - start
-
-        is_best = val["acc1"] > best_acc1
-        best_acc1 = max(val["acc1"], best_acc1)
-        save(epoch + 1, 0, train_loader.generator.get_state(), is_best)
-        summary("SUMMARY", method=METHOD, launcher="mp.spawn", world_size=world_size,
-                device=device.type, epoch=epoch, train_loss=train_metrics["loss"], train_acc1=train_metrics["acc1"],
-                val_loss=val["loss"], val_acc1=val["acc1"], val_acc5=val["acc5"], val_count=val["count"],
-                epoch_time=round(epoch_time, 3), images_per_sec=round(train_metrics["count"] / train_time, 1),
-                data_wait=round(data_wait / train_time, 4), lr=optimizer.param_groups[0]["lr"])
-    finish(model, best_acc1=best_acc1)
-
-
-def train(loader, model, criterion, optimizer, scheduler, epoch, first_step, steps, device, args, save):
-    """One epoch from optimizer step first_step (after a mid-epoch resume, else 0), calling save(step)
-    every --save-every steps. Returns (globally reduced metrics, seconds, seconds spent waiting for data)."""
-    model.train()
-    meter = AverageMeter(device)
-    progress = ProgressMeter(steps, prefix=f"Epoch: [{epoch}]")
-    accum = args.grad_accum_steps
-    batches = iter(loader)
-    data_wait = interval_wait = 0.0
-    start = interval_start = time.perf_counter()
-    for step in range(first_step, steps):
-        for micro in range(accum):
-            t0 = time.perf_counter()
-            images, target = next(batches)
-            waited = time.perf_counter() - t0
-            data_wait += waited
-            interval_wait += waited
-            images = images.to(device, non_blocking=True)
-            target = target.to(device, non_blocking=True)
-            # no_sync: accumulate gradients locally on all but the last micro-batch, so DDP
-            # all-reduces once per optimizer step instead of once per micro-batch.
-            skip_sync = micro < accum - 1 and isinstance(model, DDP)
-            with model.no_sync() if skip_sync else contextlib.nullcontext():
-                output = model(images)
-                loss = criterion(output, target)
-                # Dividing by the micro-batch count makes the accumulated gradient the mean over the
-                # whole global batch, as if it had been one batch.
-                (loss / accum).backward()
-            correct1, correct5 = correct_counts(output.detach(), target)
-            meter.update(loss.detach() * target.size(0), correct1, correct5, target.size(0))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        if (step + 1) % args.print_freq == 0 or step + 1 == steps:
-            metrics = meter.reduced()  # the only host sync: once per print interval
-            now = time.perf_counter()
-            done = min(step % args.print_freq, step - first_step) + 1
-            progress.display(step + 1, metrics, (now - interval_start) / done, interval_wait / done)
-            interval_start, interval_wait = now, 0.0
-        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < steps:  # the last: main_worker's
-            save(step + 1)
-    return meter.reduced(), time.perf_counter() - start, data_wait
-
-
-def validate(loader, model, device):
-    """Exact evaluation: every val image counted once; (sum, count) reduced over ranks, not means."""
-    module = model.module if isinstance(model, DDP) else model
-    # Evaluate the bare module: ranks may hold different numbers of images, and the DDP wrapper
-    # could start collectives that the other ranks never join.
-    broadcast_buffers(module)
-    module.eval()
-    meter = AverageMeter(device)
-    with torch.no_grad():
-        for images, target in loader:
-            images = images.to(device, non_blocking=True)
-            target = target.to(device, non_blocking=True)
-            output = module(images)
-            correct1, correct5 = correct_counts(output, target)
-            meter.update(F.cross_entropy(output, target, reduction="none").double().sum(), correct1, correct5,
-                         target.size(0))
-    metrics = meter.reduced()
-    log(f" * Acc@1 {metrics['acc1']:.3f} Acc@5 {metrics['acc5']:.3f} Loss {metrics['loss']:.4f} "
-        f"({metrics['count']} images)")
-    return metrics
-
-
-def finish(model, best_acc1=None):
-    """Report the final model's digest on every rank, then leave the process group cleanly."""
-    module = model.module if isinstance(model, DDP) else model
-    digests = all_gather_objects(state_digest(module))
-    fields = {"method": METHOD, "state_sha256": digests, "ranks_identical": len(set(digests)) == 1}
-    if best_acc1 is not None:
-        fields["best_acc1"] = best_acc1
-    summary("DONE", **fields)
-    if dist.is_available() and dist.is_initialized():
-        # A barrier before teardown: a rank that exits while a peer is still in a collective can
-        # make the peer abort at interpreter exit.
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ method_command() {
         dp)
             # One process drives --nproc GPUs; on CPU it is plain training, so give it all the cores.
             cmd=(env OMP_NUM_THREADS=$(( OMP_NUM_THREADS * nproc )) "$PY" dataparallel.py)
-            (( gpus > 0 )) && cmd+=(--gpus "$(seq -s, 0 $(( nproc - 1 )))") ;;
+            if (( gpus > 0 )); then cmd+=(--gpus "$(seq -s, 0 $(( nproc - 1 )))"); fi ;;
         ddp) cmd=("$(dirname "$PY")/torchrun" --standalone --nproc-per-node="$nproc" distributed.py) ;;
         launch)
             cmd=("$PY" -m torch.distributed.launch --nproc_per_node="$nproc" --master_port="$(free_port)"
@@ -99,9 +99,11 @@ method_command() {
             if ! command -v srun >/dev/null || ! scontrol ping 2>/dev/null | grep -q UP; then
                 skip="no Slurm cluster up (bash scripts/slurm_cluster.sh start)"
             fi
+            cmd=(srun -N1 -n"$nproc")
             # With GPUs, ask Slurm for them: where it confines jobs to their GPUs, a job that asks
             # for none sees none, and would train on the CPU.
-            cmd=(srun -N1 -n"$nproc" $( (( gpus > 0 )) && echo "--gres=gpu:$nproc") "$PY" distributed_slurm_main.py) ;;
+            if (( gpus > 0 )); then cmd+=(--gres=gpu:"$nproc"); fi
+            cmd+=("$PY" distributed_slurm_main.py) ;;
         fsdp) cmd=("$(dirname "$PY")/torchrun" --standalone --nproc-per-node="$nproc" fsdp_distributed.py) ;;
     esac
     local script

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 import torchvision.models as models
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -44,7 +45,8 @@ def measure(rank, world_size, method, arch, port, results):
     if method == "DDP":
         model = DDP(model)
     else:
-        fsdp_distributed.shard_model(model, fsdp_distributed.parse_args([]))
+        fsdp_distributed.shard_model(model, init_device_mesh("cpu", (world_size,)),
+                                     fsdp_distributed.argument_parser().parse_args([]))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     F.cross_entropy(model(torch.randn(2, 3, 32, 32)), torch.tensor([0, 1])).backward()
     optimizer.step()

@@ -82,6 +82,9 @@ write_conf() {
         echo "SlurmdUser=root"
         echo "AuthType=auth/munge"
         echo "CredType=cred/munge"
+        # A requeued job waits until its previous run's credential has expired (cred_expire, default
+        # 120 s, + 1) before it may start again; 10 s is plenty on one box.
+        echo "AuthInfo=cred_expire=10"
         # No cgroup v1/v2 delegation without systemd: track processes by parent pid, bind nothing.
         echo "ProctrackType=proctrack/linuxproc"
         echo "TaskPlugin=task/none"

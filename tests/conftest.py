@@ -135,12 +135,21 @@ def fault_at(step):
 EQUIV_TOLERANCE = 1e-9
 
 
+def signal_at(step):
+    """Environment for run(): each process sends itself SIGTERM in its step-th optimizer step, as a
+    launcher stopping the job would (tests/hooks)."""
+    return {"PYTHONPATH": str(REPO / "tests" / "hooks"), "COOKBOOK_SIGNAL_STEP": str(step)}
+
+
 def resume_mid_epoch(out, interrupted, resumed):
-    """EQUIV in float64 with a checkpoint after every step (--save-every 1), failing in its 3rd and last
-    step; then resumed from --output-dir out. interrupted(args, env) and resumed(args, env) run the
-    trainer under test. Returns the resumed run, which must have started at step 2 of epoch 0."""
-    r = interrupted(["--output-dir", out, "--save-every", 1] + EQUIV, {**FLOAT64, **fault_at(3)})
-    assert r.returncode != 0 and "injected fault: optimizer step 3 fails" in r.stderr, r.stderr
+    """EQUIV in float64, stopped by SIGTERM in its 2nd step of 3, with progress (so the ranks' check
+    for a stop) after every step: it must stop right after that step, write a checkpoint of it and
+    exit with 143 (torchrun and horovodrun report their own failure). Then resumed from --output-dir
+    out. interrupted(args, env) and resumed(args, env) run the trainer under test; returns the
+    resumed run, which must have started at step 2 of epoch 0."""
+    r = interrupted(["--output-dir", out] + EQUIV + ["-p", 1], {**FLOAT64, **signal_at(2)})
+    assert r.returncode != 0 and "=> stopped on a signal after step 2 of epoch 0" in r.stdout, r.stdout + r.stderr
+    assert "Epoch: [0][3/3]" not in r.stdout
     r = resumed(["--output-dir", out, "--resume", "auto"] + EQUIV, FLOAT64).check()
     assert "(epoch 0, step 2)" in r.stdout and "Epoch: [0][3/3]" in r.stdout, r.stdout
     return r
@@ -173,7 +182,7 @@ def initial_weights(args):
     """The weights a seeded trainer run with these arguments starts from (distributed.py's build_model)."""
     sys.path.insert(0, str(REPO))
     import distributed
-    parsed = distributed.parse_args([str(a) for a in args])
+    parsed = distributed.argument_parser().parse_args([str(a) for a in args])
     torch.manual_seed(parsed.seed)  # as main_worker does before it builds the model
     return distributed.build_model(parsed, distributed.build_datasets(parsed)[2]).state_dict()
 
@@ -279,6 +288,8 @@ def bad_inputs(tiny_data, checkpoint, tmp):
     torch.save(dict(load_state(checkpoint), step=1), mid_epoch)  # as if saved after step 1 of a -b 32 epoch
     not_a_dir = tmp / "not-a-dir"
     not_a_dir.write_text("a file, not a directory")
+    looped = shutil.copytree(tiny_data, tmp / "looped")
+    (looped / "train" / "3" / "back").symlink_to("..", target_is_directory=True)  # train/3/back is train/
     data = ["--data", tiny_data, "-b", 32]
     return {
         "missing data dir": (["--data", tmp / "nope"], "python", "is not a directory"),
@@ -287,6 +298,10 @@ def bad_inputs(tiny_data, checkpoint, tmp):
         "val class missing": (["--data", missing_class], "python", "val classes differ from train classes"),
         "empty class folder": (["--data", empty_class], "python", "bad dataset"),
         "unknown arch": (data + ["-a", "resnet19"], "python", "unknown --arch 'resnet19': did you mean resnet18"),
+        "image too small for the arch": (data + ["-a", "alexnet"], "python",
+                                         "--image-size 32 is too small for --arch alexnet"),
+        "symlink loop": (["--data", looped, "-b", 32], "python",
+                         f"symlink loop in --data: '{looped / 'train' / '3' / 'back'}' leads back to"),
         "batch below world size": (["--data", tiny_data, "-b", 1], "torchrun", "must be a multiple of world size 2"),
         "one image per process": (["--data", tiny_data, "-b", 2], "torchrun", "-b 2 leaves 1 image per process"),
         "sync-bn on cpu": (data + ["--sync-bn"], "python", "--sync-bn needs CUDA"),
@@ -296,7 +311,8 @@ def bad_inputs(tiny_data, checkpoint, tmp):
         "code in checkpoint": (data + ["-e", "--resume", malicious], "python", "cannot load checkpoint"),
         "no such checkpoint": (data + ["--resume", tmp / "none.pth"], "python", "no checkpoint at"),
         "unwritable output dir": (data + ["--output-dir", not_a_dir / "sub"], "python", "cannot write checkpoints"),
-        "negative --save-every": (data + ["--save-every", -1], "python", "--save-every -1: pass a number of steps"),
+        "negative --save-every": (data + ["--save-every", -1], "python",
+                                   "argument --save-every: -1 is out of range: pass a number >= 0"),
         "mid-epoch checkpoint, other -b": (["--data", tiny_data, "-b", 16, "--resume", mid_epoch], "python",
                                            "after step 1 of -b 32: resume it with that -b"),
         "train set below one batch": (["--data", tiny_data, "-b", 128], "python", "smaller than one global batch"),

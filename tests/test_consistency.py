@@ -5,6 +5,8 @@ copy); this test is what keeps the copies from drifting apart.
 """
 import ast
 import difflib
+import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -13,15 +15,16 @@ from conftest import REPO
 REFERENCE = "distributed.py"
 SCRIPTS = ["dataparallel.py", "multiprocessing_distributed.py", "apex_distributed.py", "horovod_distributed.py",
            "distributed_slurm_main.py", "fsdp_distributed.py"]
-BEGIN = "# ---- shared helpers: byte-identical in every script of the cookbook (tests/test_consistency.py) ----\n"
+BEGIN = "# ---- helpers shared by every script: skip them on a first read ----\n"
 END = "# ---- end of shared helpers ----\n"
 # What the block holds. Moving a helper in or out of it is a decision for every script at once:
 # make it here too.
-SHARED_HELPERS = ["UsageError", "LocalError", "report", "load_image", "log", "AverageMeter", "ProgressMeter",
-                  "correct_counts", "ShardSampler", "ResumableSampler", "SampleSeeded", "DummyImages", "build_datasets", "build_model",
-                  "lr_schedule", "rng_state", "set_rng_state", "to_cpu", "save_checkpoint", "load_checkpoint",
-                  "load_optimizer_state", "state_digest",
-                  "summary"]
+SHARED_HELPERS = ["UsageError", "LocalError", "report", "log", "summary", "ArgumentParser", "number",
+                  "training_arguments", "seed_everything", "Stopped", "stop_on_signals", "ignore_stop_signals",
+                  "diverged", "check_finite", "pick_device", "check_batch", "check_output_dir", "load_image",
+                  "build_datasets", "build_model", "SampleSeeded", "ResumableSampler", "shard_batches",
+                  "AverageMeter", "correct_counts", "lr_schedule", "rng_state", "set_rng_state", "to_cpu",
+                  "save_checkpoint", "load_checkpoint", "check_resumable", "resume_training", "state_digest"]
 
 
 def shared_block(path):
@@ -93,3 +96,38 @@ def test_missing_marker_is_reported(tmp_path, marker):
     unmarked.write_text((REPO / REFERENCE).read_text().replace(marker, ""))
     with pytest.raises(pytest.fail.Exception, match="unmarked_trainer.py: needs the line .*found 0"):
         check_same_helpers(unmarked)
+
+
+# ---- every numeric flag of every script is range-checked, in one error line ----
+
+def script_module(script):
+    """The trainer script imported as a module (under its own name, as `import` would)."""
+    spec = importlib.util.spec_from_file_location(Path(script).stem, REPO / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("script", [REFERENCE] + SCRIPTS)
+def test_every_numeric_flag_is_range_checked(script, capsys):
+    """Each flag that takes a number parses it with the shared number(): a value out of its range
+    is one line naming the flag, the value and the range, and exit 2. A flag added with a bare
+    type=int (or a numeric default and no type) fails here."""
+    parser = script_module(script).argument_parser()
+    checked = 0
+    for action in parser._actions:
+        numeric_default = isinstance(action.default, (int, float)) and not isinstance(action.default, bool)
+        if action.type in (int, float) or (numeric_default and action.type is None):
+            pytest.fail(f"{script}: {action.option_strings[0]} takes a number without a range: use type=number(...)")
+        if not hasattr(action.type, "bounds"):
+            continue
+        low, high = action.type.bounds
+        for bad in [low - 1] + ([high + 1] if high is not None else []):
+            with pytest.raises(SystemExit) as exit_:
+                parser.parse_args([action.option_strings[0], str(bad)])
+            lines = capsys.readouterr().err.splitlines()
+            assert exit_.value.code == 2 and len(lines) == 1, lines
+            assert lines[0].startswith(f"error: argument {action.option_strings[0]}") and f"{bad} is out of range" in \
+                lines[0] and f"{low:g}" in lines[0], lines[0]
+        checked += 1
+    assert checked >= 15, f"{script}: only {checked} numeric flags found"

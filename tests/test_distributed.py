@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torchvision
 
-from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, REPO, Result, bad_inputs, fault_at, float64_weights,
+from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, REPO, bad_inputs, fault_at, float64_weights,
                       launch_command, load_state, make_data, max_abs_diff, resume_mid_epoch, run, stall_a_rank)
 
 sys.path.insert(0, str(REPO))
@@ -38,7 +38,7 @@ def test_launchers(tiny_data, tmp_path, launcher, nproc):
 
 @pytest.mark.parametrize("flag", ["--local-rank=3", "--local_rank=3"])
 def test_legacy_local_rank_spellings(flag):
-    assert distributed.parse_args([flag]).local_rank == 3
+    assert distributed.argument_parser().parse_args([flag]).local_rank == 3
 
 
 def test_dummy_data_runs(tmp_path):
@@ -132,7 +132,7 @@ def test_grad_accumulation_equals_whole_batch(tmp_path, single_process_weights):
 def test_same_global_batches_at_any_world_size(tiny_data):
     """Rank r's micro-batches of a step, interleaved, are exactly the batch one process takes:
     same images, same random crops and flips, whatever the world size or loader worker count."""
-    args = distributed.parse_args(["--data", str(tiny_data), "--image-size", "32"])
+    args = distributed.argument_parser().parse_args(["--data", str(tiny_data), "--image-size", "32"])
     train_set = distributed.SampleSeeded(distributed.build_datasets(args)[0], seed=0)
     train_set.set_epoch(1)
 
@@ -213,14 +213,16 @@ def test_mid_epoch_resume_trains_only_the_rest_at_any_world_size(extra, tmp_path
 PROGRESS = re.compile(r"Epoch: \[(\d+)\]\[\s*(\d+)/")
 
 
-def test_torchrun_resumes_killed_workers_bitwise(tiny_data, tmp_path):
-    """SIGKILL a worker from outside, 3 times, mid-epoch at different steps: rank 1; rank 0, which
-    writes the checkpoints; rank 1 in the next epoch. torchrun --max-restarts=3 restarts all workers
-    each time, they resume from the last --save-every checkpoint, and the final weights equal an
-    uninterrupted run's bitwise."""
-    args = ["--data", tiny_data, "-b", 16, "--epochs", 2] + FAST + ["-p", 1]  # 6 steps per epoch
+def test_torchrun_restarts_killed_workers_then_stops_on_sigterm_bitwise(tiny_data, tmp_path):
+    """SIGKILL a worker from outside, twice, mid-epoch: rank 1, then rank 0, which writes the
+    checkpoints. torchrun --max-restarts=3 restarts all workers each time, and they resume from the
+    last --save-every checkpoint. Then SIGTERM torchrun itself in the next epoch, as a cluster ending
+    the job does: it passes the signal on, and the workers stop together within a step of it (they
+    check at each progress line, -p 1), checkpoint that step and exit. A new run with --resume auto
+    ends bitwise where an uninterrupted run does, momentum included."""
+    args = ["--data", tiny_data, "-b", 16, "--epochs", 2] + FAST + ["-p", 1, "-j", 1]  # 6 steps per epoch
     straight = run(args + ["--output-dir", tmp_path / "straight"], launcher="torchrun", nproc=2).check()
-    out = tmp_path / "killed"
+    out = tmp_path / "interrupted"
     command, env = restarting_torchrun(3, args + ["--save-every", 1, "--resume", "auto", "--output-dir", out])
     with open(tmp_path / "stderr", "w+") as stderr:
         proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
@@ -230,25 +232,35 @@ def test_torchrun_resumes_killed_workers_bitwise(tiny_data, tmp_path):
             for line in proc.stdout:
                 stdout.append(line)
                 if found(line):
-                    return
+                    return line
             raise AssertionError(f"the run ended first:\n{''.join(stdout)}")
+
+        def reached(epoch, step):  # rank 0's progress lines: this attempt has done the step
+            return lambda line: (m := PROGRESS.match(line)) and (int(m[1]), int(m[2])) >= (epoch, step)
         try:
-            for epoch, step, rank in [(0, 2, 1), (0, 4, 0), (1, 3, 1)]:
-                # rank 0's progress lines: kill once this attempt has done the step
-                read_until(lambda line: (m := PROGRESS.match(line)) and (int(m[1]), int(m[2])) >= (epoch, step))
+            for epoch, step, rank in [(0, 2, 1), (0, 4, 0)]:
+                read_until(reached(epoch, step))
                 os.kill(worker_pid(str(out), rank), signal.SIGKILL)
                 read_until(lambda line: line.startswith("=> loaded checkpoint"))  # the restarted workers resumed
+            signalled_after = int(PROGRESS.match(read_until(reached(1, 2)))[2])
+            proc.send_signal(signal.SIGTERM)
+            stopped = read_until(lambda line: line.startswith("=> stopped on a signal"))
             stdout.extend(proc.stdout)
-            returncode = proc.wait(timeout=120)
+            assert proc.wait(timeout=120) != 0  # torchrun reports the signal it got
         finally:
             proc.kill()
-        stderr.seek(0)
-        killed = Result.parse(returncode, "".join(stdout), stderr.read()).check()
-    resumed = [tuple(map(int, m)) for m in re.findall(r"=> loaded checkpoint .* \(epoch (\d+), step (\d+)\)",
-                                                      killed.stdout)]
-    assert len(resumed) == 3 and resumed == sorted(set(resumed)), resumed
-    assert all(step > 0 for _, step in resumed), f"every restart resumes mid-epoch: {resumed}"
-    assert killed.done["state_sha256"] == straight.done["state_sha256"]
+    resumes = [tuple(map(int, m)) for m in re.findall(r"=> loaded checkpoint .* \(epoch (\d+), step (\d+)\)",
+                                                      "".join(stdout))]
+    # A kill right after a progress line may come before that step's checkpoint is written.
+    assert len(resumes) == 2 and resumes == sorted(set(resumes)) and all(step > 0 for _, step in resumes), resumes
+    # The step under way when the signal came is finished; the line read may lag one step behind.
+    stopped_after = int(re.search(r"after step (\d+) of epoch 1", stopped)[1])
+    assert signalled_after < stopped_after <= signalled_after + 2, (signalled_after, stopped)
+    assert load_state(out / "checkpoint.pth")["step"] == stopped_after
+
+    resumed = run(args + ["--resume", "auto", "--output-dir", out], launcher="torchrun", nproc=2).check()
+    assert f"(epoch 1, step {stopped_after})" in resumed.stdout
+    assert resumed.done["state_sha256"] == straight.done["state_sha256"]
     assert torch.equal(*(load_state(d / "checkpoint.pth")["optimizer"]["state"][0]["momentum_buffer"]
                          for d in (out, tmp_path / "straight")))
 
@@ -279,16 +291,17 @@ def test_seed_is_deterministic_with_loader_workers(tiny_data, tmp_path):
 
 # ---- helpers ----
 
-def test_shard_sampler_counts_each_sample_once_in_the_same_batch():
+def test_shard_batches_count_each_sample_once_in_the_same_batch():
     data = list(range(37))
-    single = list(distributed.ShardSampler(data, 1, 0, batch_size=8))
+    single = distributed.shard_batches(len(data), 1, 0, batch_size=8)
     for world in (1, 2, 3, 4, 5):
-        batches = [b for r in range(world) for b in distributed.ShardSampler(data, world, r, batch_size=8)]
+        batches = [b for r in range(world) for b in distributed.shard_batches(len(data), world, r, batch_size=8)]
         assert sorted(batches) == single and sorted(i for b in batches for i in b) == data
 
 
 def test_lr_schedule_warmup_then_steps():
-    args = distributed.parse_args(["--warmup-epochs", "2", "--lr-step-size", "3", "--lr-gamma", "0.1"])
+    args = distributed.argument_parser().parse_args(["--warmup-epochs", "2", "--lr-step-size", "3",
+                                                     "--lr-gamma", "0.1"])
     factor = distributed.lr_schedule(args, steps_per_epoch=10)
     assert factor(0) == pytest.approx(1 / 20) and factor(9) == pytest.approx(0.5)
     assert factor(19) == factor(29) == 1.0
@@ -307,10 +320,33 @@ def test_demo_run_learns(tmp_path):
     assert r.done["best_acc1"] >= 50, "10 classes: chance is 10%"
 
 
+def test_divergence_stops_at_the_next_progress_line(tiny_data, tmp_path):
+    """An lr far too high from the second epoch on: the loss turns non-finite, and the run stops at
+    the progress line after it with one line naming the epoch and step and what to try. It writes no
+    checkpoint of non-finite weights (not even one --save-every asks for), so model_best.pth stays the
+    last good one. (A resumed run takes its lr from the checkpoint: the test raises it there.)"""
+    args = ["--data", tiny_data, "-b", 32, "--output-dir", tmp_path] + FAST
+    run(args + ["--epochs", 1], "torchrun", 2).check()
+    best = (tmp_path / "model_best.pth").read_bytes()
+    checkpoint = load_state(tmp_path / "checkpoint.pth")
+    checkpoint["scheduler"]["base_lrs"] = [1e30]
+    checkpoint["optimizer"]["param_groups"][0]["lr"] = 1e30
+    torch.save(checkpoint, tmp_path / "checkpoint.pth")
+    r = run(args + ["--epochs", 2, "--resume", "auto", "-p", 1, "--save-every", 1], "torchrun", 2)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode != 0 and len(errors) == 1, r.stderr
+    assert re.match(r"error: the training loss is (nan|inf) in epoch 1 at step 2: the training diverged", errors[0])
+    assert "lower --lr (the lr was 1e+30)" in errors[0]
+    assert (tmp_path / "model_best.pth").read_bytes() == best
+    state = load_state(tmp_path / "checkpoint.pth")["state_dict"]
+    assert all(t.isfinite().all() for t in state.values() if t.is_floating_point())
+
+
 # ---- bad input: one clear line, non-zero exit, no traceback ----
 
 BAD = ["missing data dir", "no data at all", "empty data dir", "val class missing", "empty class folder",
-       "unknown arch", "batch below world size", "one image per process", "sync-bn on cpu", "other arch checkpoint",
+       "symlink loop", "unknown arch", "image too small for the arch", "batch below world size",
+       "one image per process", "sync-bn on cpu", "other arch checkpoint",
        "truncated checkpoint", "code in checkpoint", "no such checkpoint", "unwritable output dir",
        "train set below one batch", "corrupt train image", "negative --save-every", "mid-epoch checkpoint, other -b"]
 

@@ -145,7 +145,8 @@ def test_dataparallel_refuses_one_image_per_gpu(tiny_data, tmp_path):
     """3 images over 2 GPUs are chunks of 2 and 1: one replica's BatchNorm would see a single image."""
     r = gpu_run(["--data", tiny_data, "-b", 3, "--output-dir", tmp_path] + FAST, "dataparallel.py", "python")
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-    assert r.returncode == 2 and len(errors) == 1 and "leaves 1 image to a GPU" in errors[0], r.stderr
+    assert r.returncode == 2 and len(errors) == 1, r.stderr
+    assert "leaves 1 image per process and micro-batch and GPU" in errors[0]
 
 
 def test_bfloat16_autocast_needs_ampere(tmp_path):
@@ -163,7 +164,7 @@ def test_bfloat16_autocast_needs_ampere(tmp_path):
                                 "autocast")
 
 
-@pytest.mark.skipif(GPUS and not SLURM_UP, reason="no Slurm cluster up (bash scripts/slurm_cluster.sh start, or a real one)")
+@pytest.mark.skipif(GPUS and not SLURM_UP, reason="no Slurm cluster up (scripts/slurm_cluster.sh start, or a real one)")
 def test_srun_trains_on_the_gpus(tiny_data, tmp_path):
     r = run(["--data", tiny_data, "-b", 32, "--epochs", 1, "--output-dir", tmp_path] + FAST, "srun", TWO,
             "distributed_slurm_main.py", env=GPU_ENV).check()

@@ -205,8 +205,8 @@ def method_bad_inputs(tiny_data, checkpoint, tmp, busy_port):
     data = ["--data", tiny_data, "-b", 32]
     return dict(bad_inputs(tiny_data, checkpoint, tmp), **{
         "gpus without cuda": (data + ["--gpus", "0,1"], "python", "--gpus needs CUDA GPUs"),
-        "one image per replica": (["--data", tiny_data, "-b", 1], "python", "-b 1 leaves 1 image to a GPU"),
-        "port in use": (data + ["--port", busy_port], "spawn", f"--port {busy_port} (Address already in use)"),
+        "one image per replica": (["--data", tiny_data, "-b", 1], "python", "-b 1 leaves 1 image per process"),
+        "port in use": (data + ["--port", busy_port], "spawn", f"cannot join the process group at 127.0.0.1:{busy_port}"),
         "two nodes, no port": (data + ["--nnodes", 2], "spawn", "--nnodes > 1 needs --port"),
     })
 

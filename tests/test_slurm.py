@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import FAST, PYTHON, REPO, Result, load_state, run
+from conftest import FAST, PYTHON, REPO, Result, run
 
 sys.path.insert(0, str(REPO))
 import distributed_slurm_main  # noqa: E402  (the script itself, for its pure helpers)
@@ -18,6 +18,7 @@ CLUSTER = ["bash", str(REPO / "scripts" / "slurm_cluster.sh")]
 # The repo's batch script scaled down to the test cluster: 2 nodes x 1 CPU task, no GPUs.
 SBATCH_SMALL = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gpus-per-node=0", "--time=10"]
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING"}
+PROGRESS = "Epoch: [0][1/3]"  # the first step's progress line
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -71,7 +72,7 @@ def test_spawn_two_nodes_world_size_four(tiny_data, tmp_path):
 # The first case fails in the 4 spawned processes of 2 tasks: exactly one line must come out.
 @pytest.mark.parametrize("nproc,nprocs_per_node,message", [
     (2, 2, "use one task per node (srun --ntasks-per-node=1 -n 1)"),
-    (1, 0, "--nprocs-per-node must be at least 1"),
+    (1, 0, "argument --nprocs-per-node: 0 is out of range: pass a number >= 1"),
 ], ids=["spawn with two tasks on a node", "no processes per node"])
 def test_bad_launch(tiny_data, tmp_path, nproc, nprocs_per_node, message):
     r = run(["--data", tiny_data, "-b", 32, "--output-dir", tmp_path, "--nprocs-per-node", nprocs_per_node] + FAST,
@@ -140,25 +141,28 @@ def test_sbatch_script_scaled_down(batch_training):
     check_training(batch_training(2), world_size=2, launcher="srun", epochs=2)
 
 
-def test_cancelled_job_resumes_from_its_checkpoint(tiny_data, tmp_path, batch_training):
-    checkpoint = tmp_path / "ckpt" / "checkpoint.pth"
-    # File rendezvous: the killed job leaves its file behind, which must not mislead the next job.
-    rendezvous = ["--dist-file", tmp_path / "rendezvous"]
-    job, log = submit_training(tmp_path, tiny_data, checkpoint.parent, 50, rendezvous)
-    wait_until(lambda: checkpoint.exists() or job_state(job)[0] not in ACTIVE, "the first checkpoint")
-    subprocess.run(["scancel", job], check=True)
-    state, cancelled = finish(job, log)
-    assert state == "CANCELLED" and checkpoint.exists(), cancelled.stdout
-    assert (tmp_path / f"rendezvous.{job}.0.0").exists(), "the file is named after job, step and requeue count"
-    epochs_done = load_state(checkpoint)["epoch"]
-    assert 1 <= epochs_done < 50
-
-    state, resumed = finish(*submit_training(tmp_path, tiny_data, checkpoint.parent, epochs_done + 1, rendezvous))
-    resumed.check()
-    assert f"=> loaded checkpoint '{checkpoint}' (epoch {epochs_done}, step 0)" in resumed.stdout
-    assert [s["epoch"] for s in resumed.summaries] == [epochs_done]
-    assert resumed.done["state_sha256"] == batch_training(epochs_done + 1).done["state_sha256"], \
-        "the resumed job must end bitwise where an uninterrupted one does"
+def test_signalled_job_checkpoints_requeues_itself_and_resumes_bitwise(tiny_data, tmp_path, batch_training):
+    """The batch script as Slurm treats it before its time limit: SIGUSR1 to the batch shell (what
+    #SBATCH --signal=B:USR1@300 sends; here scancel --batch, mid-training). The script passes it on
+    to the trainers, which stop together after their current step, checkpoint it and exit, and then
+    requeues the job. The requeued run (held until its first run's credential expired: 11 s on the
+    test cluster, 121 s by default) resumes mid-epoch through --resume auto and ends bitwise where an
+    uninterrupted job does."""
+    out = tmp_path / "ckpt"
+    job, log = submit_training(tmp_path, tiny_data, out, 2, ["-p", 1])
+    wait_until(lambda: PROGRESS in (log.read_text() if log.exists() else "") or job_state(job)[0] not in ACTIVE,
+               "training to start")
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
+    wait_until(lambda: job_state(job)[0] in {"PENDING", "COMPLETED", "FAILED", "CANCELLED"},
+               f"job {job} to requeue itself")
+    assert job_state(job)[0] == "PENDING", log.read_text()
+    state, r = finish(job, log)
+    assert state == "COMPLETED", r.stdout
+    stopped = re.search(r"=> stopped on a signal after step (\d+) of epoch (\d+)", r.stdout)
+    assert stopped and "slurm_train.sbatch: stopped on a signal (trainers exited 143): requeueing" in r.stdout
+    assert f"=> loaded checkpoint '{out / 'checkpoint.pth'}' (epoch {stopped[2]}, step {stopped[1]})" in r.stdout
+    assert r.done["state_sha256"] == batch_training(2).done["state_sha256"], \
+        "the requeued job must end bitwise where an uninterrupted one does"
 
 
 def test_batch_script_without_srun_is_refused(tiny_data, tmp_path):

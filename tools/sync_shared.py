@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-BEGIN = "# ---- shared helpers: byte-identical"
+BEGIN = "# ---- helpers shared by every script"
 END = "# ---- end of shared helpers ----"
 SCRIPTS = ["dataparallel.py", "multiprocessing_distributed.py", "apex_distributed.py", "horovod_distributed.py",
            "distributed_slurm_main.py", "fsdp_distributed.py"]

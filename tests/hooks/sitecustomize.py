@@ -6,9 +6,12 @@ COOKBOOK_FLOAT64=1       the trainers build their models and synthetic images in
 COOKBOOK_FAULT_STEP=N    the N-th optimizer step of each process raises, as a bug in the training step
                          would ("every": each step, on every attempt);
 COOKBOOK_OVERFLOW_STEP=N the N-th GradScaler step of each process finds an inf gradient, as an fp16
-                         overflow would.
+                         overflow would;
+COOKBOOK_SIGNAL_STEP=N   each process sends itself SIGTERM in its N-th optimizer step, as a launcher
+                         stopping the job would.
 """
 import os
+import signal
 
 import torch
 
@@ -43,3 +46,16 @@ if "COOKBOOK_OVERFLOW_STEP" in os.environ:
         return original_check(self, optimizer, *args, **kwargs)
 
     torch.amp.GradScaler._unscale_grads_ = overflowing_check
+
+if "COOKBOOK_SIGNAL_STEP" in os.environ:
+    signal_step, signalled_steps = int(os.environ["COOKBOOK_SIGNAL_STEP"]), 0
+    step_before_signal = torch.optim.SGD.step
+
+    def signalling_step(self, *args, **kwargs):
+        global signalled_steps
+        signalled_steps += 1
+        if signalled_steps == signal_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step_before_signal(self, *args, **kwargs)
+
+    torch.optim.SGD.step = signalling_step
