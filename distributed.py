@@ -65,7 +65,7 @@ def setup_distributed(args):
     device = pick_device(args, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if args.sync_bn and device.type != "cuda":
         raise UsageError("--sync-bn needs CUDA: SyncBatchNorm works only with CUDA modules (drop --sync-bn on CPU)")
-    check_batch(args, world_size, sync_bn=args.sync_bn)
+    check_batch(args, world_size, sync_bn=args.sync_bn and world_size > 1)  # one process: plain BatchNorm
     check_output_dir(args)
     if world_size > 1:
         try:
@@ -461,7 +461,7 @@ def ignore_stop_signals(worker_id):
 
 def diverged(what, epoch, step, lr):
     return UsageError(f"{what} in epoch {epoch} at step {step}: the training diverged (no checkpoint was written "
-                      f"since): lower --lr (the lr was {lr:g}), add --warmup-epochs, or try another --amp-dtype")
+                      f"since): lower --lr (the lr was {lr:g}), add --warmup-epochs, or train in float32")
 
 
 def check_finite(tensors, epoch, step, lr):
@@ -771,6 +771,12 @@ def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_
             optimizer.load_state_dict(checkpoint["optimizer"])
             for group, keep in zip(optimizer.param_groups, chosen):
                 group.update(keep)
+            # A checkpoint keeps the memory layout of the run that wrote it (channels_last or not), and
+            # the fused step takes the state to be laid out as its parameter: copy it into that layout.
+            for param, state in optimizer.state.items():
+                for key, value in state.items():
+                    if torch.is_tensor(value) and value.shape == param.shape and value.stride() != param.stride():
+                        state[key] = torch.empty_like(param).copy_(value)
         scheduler.load_state_dict(checkpoint["scheduler"])
         if len(checkpoint["rng"]) == world_size:
             set_rng_state(checkpoint["rng"][rank], devices)

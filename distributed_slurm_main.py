@@ -67,7 +67,7 @@ def setup_distributed(args):
     device = pick_device(args, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if args.sync_bn and device.type != "cuda":
         raise UsageError("--sync-bn needs CUDA: SyncBatchNorm works only with CUDA modules (drop --sync-bn on CPU)")
-    check_batch(args, world_size, sync_bn=args.sync_bn)
+    check_batch(args, world_size, sync_bn=args.sync_bn and world_size > 1)  # one process: plain BatchNorm
     check_output_dir(args)
     if world_size > 1:
         try:
@@ -116,13 +116,15 @@ def slurm_environment(args, spawned_index):
                          "size: launch it with srun (srun python distributed_slurm_main.py ...)")
     nodes, tasks = int(env.get("SLURM_NNODES", 1)), int(env.get("SLURM_NTASKS", 1))
     if spawned_index is None:
-        # One task per process: Slurm numbers them. Bound by --gpus-per-task or --gpu-bind, a task
-        # sees only its own GPUs, numbered from 0; otherwise every task sees the node's GPUs and takes
-        # its own by its local id (setup_distributed stops them if they outnumber its GPUs).
+        # One task per process: Slurm numbers them. Every task sees the step's GPUs on its node and
+        # takes its own by its local id (setup_distributed stops them if they outnumber the GPUs),
+        # unless Slurm bound each task to its own (--gpus-per-task, --gpu-bind): then it sees fewer
+        # than the step has (SLURM_STEP_GPUS), numbered from 0.
         RANK, world_size = int(env.get("SLURM_PROCID", 0)), tasks
         local_rank, local_world_size = int(env.get("SLURM_LOCALID", 0)), tasks_on_this_node(env)
-        if "SLURM_GPUS_PER_TASK" in env or "SLURM_GPU_BIND" in env:
-            local_rank, local_world_size = 0, 1
+        visible = 0 if args.cpu else torch.accelerator.device_count()
+        if 0 < visible < len(env.get("SLURM_STEP_GPUS", "").split(",")):
+            local_rank, local_world_size = local_rank % visible, visible
     else:
         # One task per node spawning the processes: Slurm numbers and counts only the node tasks, so
         # the world is nodes x processes per node, not SLURM_NTASKS.
@@ -535,7 +537,7 @@ def ignore_stop_signals(worker_id):
 
 def diverged(what, epoch, step, lr):
     return UsageError(f"{what} in epoch {epoch} at step {step}: the training diverged (no checkpoint was written "
-                      f"since): lower --lr (the lr was {lr:g}), add --warmup-epochs, or try another --amp-dtype")
+                      f"since): lower --lr (the lr was {lr:g}), add --warmup-epochs, or train in float32")
 
 
 def check_finite(tensors, epoch, step, lr):
@@ -845,6 +847,12 @@ def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_
             optimizer.load_state_dict(checkpoint["optimizer"])
             for group, keep in zip(optimizer.param_groups, chosen):
                 group.update(keep)
+            # A checkpoint keeps the memory layout of the run that wrote it (channels_last or not), and
+            # the fused step takes the state to be laid out as its parameter: copy it into that layout.
+            for param, state in optimizer.state.items():
+                for key, value in state.items():
+                    if torch.is_tensor(value) and value.shape == param.shape and value.stride() != param.stride():
+                        state[key] = torch.empty_like(param).copy_(value)
         scheduler.load_state_dict(checkpoint["scheduler"])
         if len(checkpoint["rng"]) == world_size:
             set_rng_state(checkpoint["rng"][rank], devices)

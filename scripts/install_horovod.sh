@@ -25,15 +25,33 @@ if ! torch_version=$("$python" -c 'import torch; print(torch.__version__)' 2>/de
         "python3 -m venv .venv && .venv/bin/pip install torch==2.14.1 torchvision==0.29.1"
 fi
 
-# Already installed and built for this very torch? metadata.json records the torch version Horovod
-# was compiled against; importing horovod.torch loads the extension (fails on an ABI mismatch).
-if "$python" - "$HOROVOD_VERSION" 2>/dev/null <<'EOF'
+# A CUDA build of torch (the pinned one is) makes Horovod compile its CUDA kernels whenever an nvcc
+# is found, and it then guesses the toolkit root from nvcc's location (/usr/local/bin/nvcc gives
+# /usr/local: "Could NOT find CUDAToolkit"). So point it at the real toolkit where there is one;
+# where there is none, leave the variables unset and it builds CPU-only.
+if [[ -x /usr/local/cuda/bin/nvcc ]]; then
+    variant=cuda-nccl
+    export CUDA_HOME=/usr/local/cuda HOROVOD_CUDA_HOME=/usr/local/cuda
+    # Horovod's CUDA kernels for the GPU generations this torch build has kernels for (its
+    # get_arch_list: sm_75 ... sm_120 for the pinned cu130 wheel), so Horovod runs wherever torch does.
+    HOROVOD_BUILD_CUDA_CC_LIST=$("$python" -c \
+        'import torch; print(",".join(a[3:] for a in torch.cuda.get_arch_list() if a.startswith("sm_")))')
+    export HOROVOD_BUILD_CUDA_CC_LIST
+else
+    variant=cpu
+fi
+
+# Already installed and built for this very torch (and with NCCL where it should be)? metadata.json
+# records the torch version Horovod was compiled against; importing horovod.torch loads the
+# extension (fails on an ABI mismatch).
+if "$python" - "$HOROVOD_VERSION" "$variant" 2>/dev/null <<'EOF'
 import json, os, sys
 import torch, horovod
 import horovod.torch as hvd
 with open(os.path.join(os.path.dirname(horovod.__file__), "metadata.json")) as f:
     built_for = json.load(f).get("pytorch")
-sys.exit(not (horovod.__version__ == sys.argv[1] and built_for == torch.__version__ and hvd.gloo_built()))
+nccl_ok = hvd.nccl_built() or sys.argv[2] != "cuda-nccl"
+sys.exit(not (horovod.__version__ == sys.argv[1] and built_for == torch.__version__ and hvd.gloo_built() and nccl_ok))
 EOF
 then
     echo "horovod $HOROVOD_VERSION already installed for torch $torch_version ($python); nothing to do"
@@ -44,20 +62,6 @@ fi
 # They must be present before the build too: without build isolation setup.py's setup_requires
 # would otherwise try to fetch them itself.
 "$python" -m pip install --quiet cloudpickle psutil pyyaml packaging cffi
-
-# A CUDA build of torch (the pinned one is) makes Horovod compile its CUDA kernels whenever an nvcc
-# is found, and it then guesses the toolkit root from nvcc's location (/usr/local/bin/nvcc gives
-# /usr/local: "Could NOT find CUDAToolkit"). So point it at the real toolkit where there is one;
-# where there is none, leave the variables unset and it builds CPU-only.
-if [[ -x /usr/local/cuda/bin/nvcc ]]; then
-    variant=cuda
-    export CUDA_HOME=/usr/local/cuda HOROVOD_CUDA_HOME=/usr/local/cuda
-    # One architecture instead of every one nvcc knows (much faster to build): sm_80 code for A100
-    # plus compute_80 PTX, which newer GPUs JIT-compile.
-    export HOROVOD_BUILD_CUDA_CC_LIST=80
-else
-    variant=cpu
-fi
 
 py_tag=$("$python" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 cache_dir=${HOROVOD_WHEEL_CACHE:-$HOME/.cache/pytorch-distributed-cookbook/horovod}/torch-$torch_version-$variant-$py_tag
@@ -94,6 +98,18 @@ else
     mkdir -p "$(dirname "$cache_dir")"
     build_dir=$(mktemp -d "$cache_dir.tmp.XXXXXX")
     trap 'rm -rf "$build_dir"' EXIT
+    if [[ $variant == cuda-nccl ]]; then
+        # GPU tensors all-reduced by NCCL, GPU to GPU (without it: device -> host -> Gloo -> device).
+        # The torch wheel brings its NCCL (the nvidia-nccl package: header and libnccl.so.2); a link
+        # named libnccl.so lets CMake find it. Linked shared, Horovod then uses the very libnccl.so.2
+        # that torch has loaded.
+        nccl_dir=$("$python" -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null) \
+            || die "torch's NCCL (the nvidia-nccl pip package) is not importable by $python"
+        mkdir "$build_dir/nccl-lib"
+        ln -s "$nccl_dir/lib/libnccl.so.2" "$build_dir/nccl-lib/libnccl.so"
+        export HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_LINK=SHARED \
+            HOROVOD_NCCL_INCLUDE=$nccl_dir/include HOROVOD_NCCL_LIB=$build_dir/nccl-lib
+    fi
     # No build isolation: the build must see the installed torch (in an isolated build env there is
     # none: "Could NOT find Pytorch").
     "$python" -m pip wheel --no-build-isolation --no-deps --no-cache-dir \
@@ -115,6 +131,9 @@ check=$("$horovodrun" --check-build) || die "horovodrun --check-build failed"
 echo "$check"
 grep -q '\[X\] PyTorch' <<<"$check" || die "horovodrun --check-build does not list PyTorch as available"
 grep -q '\[X\] Gloo' <<<"$check" || die "horovodrun --check-build does not list Gloo as available"
+if [[ $variant == cuda-nccl ]]; then
+    grep -q '\[X\] NCCL' <<<"$check" || die "horovodrun --check-build does not list NCCL as available"
+fi
 
 "$python" -c 'import horovod.torch as hvd; hvd.init(); print("hvd.init() ok: rank", hvd.rank(), "of", hvd.size())' \
     || die "import horovod.torch / hvd.init() failed in $python"

@@ -51,7 +51,7 @@ def gpu_run(args, script="distributed.py", launcher="torchrun", nproc=TWO, env=N
 @pytest.mark.parametrize("method", METHODS)
 def test_method_trains_resumes_and_evaluates_exactly(method, tiny_data, tmp_path):
     script, launcher, extra = METHODS[method]
-    if method == "horovod" and not probe("import horovod.torch"):
+    if method == "horovod" and not probe("import horovod.torch; print(1)"):
         pytest.skip("Horovod is not installed: bash scripts/install_horovod.sh")
     args = ["--data", tiny_data, "-b", 32, "--warmup-epochs", 1, "--lr-step-size", 1] + extra + FAST
     straight = gpu_run(args + ["--epochs", 2, "--output-dir", tmp_path / "straight"], script, launcher).check()
@@ -156,7 +156,7 @@ def test_bfloat16_autocast_needs_ampere(tmp_path):
     r = gpu_run(args, "apex_distributed.py")
     if not AMPERE:
         errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-        assert r.returncode == 2 and len(errors) == 1 and "needs an Ampere or newer GPU" in errors[0], r.stderr
+        assert r.returncode != 0 and len(errors) == 1 and "needs an Ampere or newer GPU" in errors[0], r.stderr
         return
     r.check()
     gpu_run(["--output-dir", tmp_path / "fp32"] + EQUIV, nproc=1).check()

@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from conftest import FAST, PYTHON, REPO, Result, run
 
@@ -78,6 +79,25 @@ def test_bad_launch(tiny_data, tmp_path, nproc, nprocs_per_node, message):
     r = run(["--data", tiny_data, "-b", 32, "--output-dir", tmp_path, "--nprocs-per-node", nprocs_per_node] + FAST,
             launcher="srun", nproc=nproc, script=SCRIPT)
     check_usage_error(r, message)
+
+
+@pytest.mark.parametrize("step_gpus,visible,local_id,expected", [
+    ("0,1,2,3", 4, 2, ("2", "4")),  # every task sees the node's 4 GPUs: its own by local id
+    ("0,1,2,3", 1, 3, ("0", "1")),  # bound (--gpus-per-task=1): it sees only its own, as GPU 0
+    ("0,1", 2, 3, ("3", "4")),  # 4 tasks share 2 GPUs: LOCAL_WORLD_SIZE 4 makes pick_device refuse it
+    ("", 0, 1, ("1", "4")),  # no GPUs at all: CPU processes
+])
+def test_local_rank_from_slurm(monkeypatch, step_gpus, visible, local_id, expected):
+    """slurm_environment's local rank and processes per node, for a step of 4 tasks per node (the 2nd
+    node of 3: SLURM_STEP_TASKS_PER_NODE '4(x2),1' means 4, 4 and 1 tasks), with the GPUs a task sees."""
+    env = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_NNODES": "3", "SLURM_NTASKS": "9", "SLURM_PROCID": "5",
+           "SLURM_LOCALID": str(local_id), "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "4(x2),1",
+           "SLURM_STEP_GPUS": step_gpus, "SLURM_STEP_NODELIST": "n[1-3]"}
+    monkeypatch.setattr(os, "environ", env)
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: visible)
+    distributed_slurm_main.slurm_environment(distributed_slurm_main.argument_parser().parse_args([]), None)
+    assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"]) == ("5", "9", "n1")
+    assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == expected
 
 
 @pytest.mark.parametrize("nodelist", ["n1", "n[1-2]", "n2,n1", "gpu[08-10,12],cpu1", "r[1-2]-n[3-4]"])

@@ -42,7 +42,7 @@ if "COOKBOOK_OVERFLOW_STEP" in os.environ:
         checks += 1
         if checks == overflow_step:
             grad = next(p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None)
-            grad.view(-1)[0] = float("inf")
+            grad[(0,) * grad.dim()] = float("inf")  # in place at any strides (channels_last on GPUs)
         return original_check(self, optimizer, *args, **kwargs)
 
     torch.amp.GradScaler._unscale_grads_ = overflowing_check
