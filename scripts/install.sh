@@ -3,7 +3,8 @@
 #
 #   bash scripts/install.sh           # trainers + demo data: requirements.txt, requirements-dev.txt
 #   bash scripts/install.sh --tests   # also the engines the tests start for real: the Slurm, munge and
-#                                     # iproute2 Debian packages, and Horovod compiled against this torch
+#                                     # iproute2 Debian packages, Horovod compiled against this torch, and
+#                                     # DeepSpeed
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -27,5 +28,12 @@ if (( tests )); then
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
     fi
     bash scripts/install_horovod.sh .venv/bin/python
+    # DeepSpeed from PyPI: DS_BUILD_OPS=0 compiles none of its C++ ops (deepspeed_distributed.py uses none).
+    # Its setup.py imports torch, so no build isolation (that would fetch a torch of its own to build with),
+    # and requirements.txt as constraints, so pip keeps the pinned torch and torchvision. 22 s here.
+    if ! .venv/bin/python -c 'import deepspeed, sys; sys.exit(deepspeed.__version__ != "0.19.8")' 2>/dev/null; then
+        DS_BUILD_OPS=0 .venv/bin/pip install --quiet --disable-pip-version-check --no-build-isolation \
+            -c requirements.txt deepspeed==0.19.8
+    fi
 fi
 echo "install.sh: done ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

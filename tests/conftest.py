@@ -1,4 +1,5 @@
 """Test harness: runs the trainers as real subprocesses under real launchers (CPU, gloo, tiny images)."""
+import importlib.util
 import json
 import os
 import re
@@ -94,6 +95,25 @@ def run(args, launcher="python", nproc=1, script="distributed.py", env=None, tim
     return Result.parse(proc.returncode, proc.stdout, proc.stderr)
 
 
+def require_engine(module, install, env=None):
+    """Skip the test where `module` cannot be imported; fail it under CI=1, so CI never passes without
+    the engine. `install` says how to get it."""
+    probe = subprocess.run([PYTHON, "-c", f"import {module}"], capture_output=True, text=True, env=environment(env))
+    if probe.returncode:
+        reason = f"{module} cannot be imported ({(probe.stderr.strip().splitlines() or ['?'])[-1]}): {install}"
+        if os.environ.get("CI", "") not in ("", "0", "false"):
+            pytest.fail(reason, pytrace=False)
+        pytest.skip(reason)
+
+
+def script_module(script):
+    """A trainer script imported as a module, under its own name (for its pure helpers)."""
+    spec = importlib.util.spec_from_file_location(Path(script).stem, REPO / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def make_data(out, train, val):
     subprocess.run([PYTHON, str(REPO / "tools" / "make_demo_data.py"), "--out", str(out),
                     "--train-count", str(train), "--val-count", str(val)], check=True, capture_output=True)
@@ -108,6 +128,17 @@ def tiny_data(tmp_path_factory):
 
 def load_state(path):
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same_checkpoints(straight_dir, split_dir):
+    """Two runs' checkpoints hold the same weights, lr schedule and momentum, bitwise: returns both."""
+    straight, split = (load_state(Path(d) / "checkpoint.pth") for d in (straight_dir, split_dir))
+    for key in straight["state_dict"]:
+        assert torch.equal(straight["state_dict"][key], split["state_dict"][key]), key
+    assert straight["scheduler"] == split["scheduler"]
+    for pid, state in straight["optimizer"]["state"].items():
+        assert torch.equal(state["momentum_buffer"], split["optimizer"]["state"][pid]["momentum_buffer"])
+    return straight, split
 
 
 def max_abs_diff(a, b):

@@ -5,16 +5,14 @@ copy); this test is what keeps the copies from drifting apart.
 """
 import ast
 import difflib
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, script_module
 
 REFERENCE = "distributed.py"
 SCRIPTS = ["dataparallel.py", "multiprocessing_distributed.py", "apex_distributed.py", "horovod_distributed.py",
-           "distributed_slurm_main.py", "fsdp_distributed.py"]
+           "distributed_slurm_main.py", "fsdp_distributed.py", "deepspeed_distributed.py"]
 BEGIN = "# ---- helpers shared by every script: skip them on a first read ----\n"
 END = "# ---- end of shared helpers ----\n"
 # What the block holds. Moving a helper in or out of it is a decision for every script at once:
@@ -99,14 +97,6 @@ def test_missing_marker_is_reported(tmp_path, marker):
 
 
 # ---- every numeric flag of every script is range-checked, in one error line ----
-
-def script_module(script):
-    """The trainer script imported as a module (under its own name, as `import` would)."""
-    spec = importlib.util.spec_from_file_location(Path(script).stem, REPO / script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 @pytest.mark.parametrize("script", [REFERENCE] + SCRIPTS)
 def test_every_numeric_flag_is_range_checked(script, capsys):

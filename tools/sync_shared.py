@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 BEGIN = "# ---- helpers shared by every script"
 END = "# ---- end of shared helpers ----"
 SCRIPTS = ["dataparallel.py", "multiprocessing_distributed.py", "apex_distributed.py", "horovod_distributed.py",
-           "distributed_slurm_main.py", "fsdp_distributed.py"]
+           "distributed_slurm_main.py", "fsdp_distributed.py", "deepspeed_distributed.py"]
 
 
 def split(text, name):

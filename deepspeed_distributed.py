@@ -1,0 +1,881 @@
+#!/usr/bin/env python
+"""ImageNet training with DeepSpeed's ZeRO (each rank keeps 1/N of the optimizer state, gradients, parameters).
+
+    deepspeed --num_gpus 8 deepspeed_distributed.py --data /path/to/imagenet       # 8 GPUs, DeepSpeed's launcher
+    torchrun --nproc-per-node=8 deepspeed_distributed.py --data /path/to/imagenet  # (no GPU: 8 CPU processes)
+    python deepspeed_distributed.py --data /path/to/imagenet                       # one process
+
+One process per GPU with CUDA + NCCL (without GPUs: CPU + gloo); the launcher starts and numbers them.
+Every script of the cookbook is distributed.py plus its method's lines: `diff distributed.py X.py`.
+"""
+import argparse
+import atexit
+import difflib
+import hashlib
+import itertools
+import json
+import math
+import multiprocessing
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.data
+import torchvision.datasets as datasets
+import torchvision.models as models
+import torchvision.transforms as transforms
+from torch.distributed.elastic.multiprocessing.errors import record
+
+METHOD = "deepspeed"
+RANK = int(os.environ.get("RANK", 0))  # global rank, from the launcher: log() prints on rank 0 only
+
+
+def argument_parser():
+    """The flags every script shares (training_arguments, at the end of the file), plus DeepSpeed's."""
+    parser = training_arguments("PyTorch ImageNet training with DeepSpeed ZeRO")
+    parser.add_argument("--zero-stage", type=number(int, 0, 3), default=2, help="0: no ZeRO; 1/N per rank of "
+                        "1: the optimizer state, 2: also the gradients, 3: also the parameters")
+    # No float16: with torch's GradScaler under ZeRO 1-2, DeepSpeed skips an overflowed step before the
+    # scaler sees it, so its scale never drops. On GPUs, DeepSpeed's own fp16 ("fp16" in a config file).
+    parser.add_argument("--precision", choices=["float32", "bfloat16"], default="float32",
+                        help="DeepSpeed's torch_autocast: forward in this dtype (weights and BatchNorm stay float32)")
+    parser.add_argument("--deepspeed-config", metavar="FILE", help="DeepSpeed JSON config for anything else")
+    parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
+    parser.add_argument("--dist-timeout", type=number(float, 0, open_low=True), default=1800,
+                        help="seconds a collective waits for the other ranks before failing")
+    # torch.distributed.launch passes --local-rank=N (torch >= 2.0; --local_rank=N before): accepted, and it
+    # names the launcher. Like torchrun, it also sets LOCAL_RANK, which is what is read.
+    parser.add_argument("--local-rank", "--local_rank", type=number(int, 0), dest="local_rank", help=argparse.SUPPRESS)
+    return parser
+
+
+def setup_distributed(args):
+    """Check the launch, pick this process's device and join the process group: (rank, world size, device).
+
+    Every check runs before the rendezvous, so a bad flag fails all ranks alike and at once.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    # (DeepSpeed's launcher says LOCAL_SIZE where torchrun says LOCAL_WORLD_SIZE.)
+    device = pick_device(args, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 1))))
+    if args.sync_bn and device.type != "cuda":
+        raise UsageError("--sync-bn needs CUDA: SyncBatchNorm works only with CUDA modules (drop --sync-bn on CPU)")
+    check_batch(args, world_size, sync_bn=args.sync_bn and world_size > 1)  # one process: plain BatchNorm
+    check_output_dir(args)
+    global deepspeed  # imported once the device is known
+    os.environ["DS_ACCELERATOR"] = device.type  # it picks one on import: CUDA where GPUs are visible, --cpu or not
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise UsageError(f"cannot import deepspeed ({e}): install it with "
+                         "`DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==0.19.8`") from None
+    deepspeed.ops.__compatible_ops__ = {}  # use none of its C++ ops: it would compile its CPU all-reduce (1-2 min)
+    deepspeed.utils.logger.setLevel("ERROR")  # its INFO and WARNING lines, from every rank
+    warnings.filterwarnings("ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is")
+    if world_size > 1:
+        try:
+            # nccl on GPUs, gloo on the CPU; device_id binds the group to this GPU (none on the CPU).
+            dist.init_process_group(dist.get_default_backend_for_device(device),
+                                    timeout=timedelta(seconds=args.dist_timeout),
+                                    device_id=None if device.type == "cpu" else device)
+        except dist.DistNetworkError as e:
+            raise UsageError(f"cannot join the process group at {os.environ.get('MASTER_ADDR')}:"
+                             f"{os.environ.get('MASTER_PORT')} ({str(e).splitlines()[0]}): if the port is "
+                             "in use pass another --master-port to the launcher (or set MASTER_PORT)") from None
+    else:  # DeepSpeed needs a process group even for one process: one on an in-memory store, no port needed
+        dist.init_process_group(dist.get_default_backend_for_device(device), store=dist.HashStore(), rank=0,
+                                world_size=1, device_id=None if device.type == "cpu" else device)
+        os.environ.setdefault("LOCAL_RANK", "0")  # deepspeed.initialize requires it
+    return RANK, world_size, device
+
+
+def engine_config(args, world_size):
+    """DeepSpeed's configuration: the flags' settings over --deepspeed-config's file, if any."""
+    config = json.load(open(args.deepspeed_config)) if args.deepspeed_config else {}
+    # -b is DeepSpeed's train_batch_size: micro-batch x accumulation x world size (a file's must agree).
+    config.update(train_micro_batch_size_per_gpu=max(1, args.batch_size // world_size // args.grad_accum_steps),
+                  gradient_accumulation_steps=args.grad_accum_steps, zero_allow_untested_optimizer=True)
+    config.setdefault("gradient_clipping", 0.0)  # DeepSpeed's default clips at 1.0; distributed.py does not clip
+    size = 25 * 2**20 // 4  # DDP's 25 MiB buckets in float32: DeepSpeed's 5e8 elements slowed ZeRO 2 4x here (README)
+    config["zero_optimization"] = {"reduce_bucket_size": size, "allgather_bucket_size": size,
+                                   **config.get("zero_optimization", {}), "stage": args.zero_stage}
+    config["torch_autocast"] = {"enabled": args.precision != "float32", "dtype": args.precision}
+    return config
+
+
+def launcher_name(args):
+    if "CROSS_RANK" in os.environ:  # set by the deepspeed launcher (which passes --local_rank=N too)
+        return "deepspeed"
+    if args.local_rank is not None:
+        return "torch.distributed.launch"
+    return "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "none"
+
+
+# ---- communication: the lines each method does its own way (no-ops without a process group) ----
+
+def all_reduce_sum(tensor):
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_gather_objects(obj):
+    if not dist.is_initialized():
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def broadcast_buffers(model):
+    """Rank 0's BatchNorm statistics to every rank: gradients are averaged, statistics are not (each
+    rank's come from its own batch). Then the evaluation and the checkpoint are those of one model."""
+    if dist.is_initialized():
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+
+
+def stalled_ranks(grace=5.0):
+    """After a collective timed out, the ranks that stalled.
+
+    The timed-out group's connections are closed, so every rank still alive checks in on the
+    rendezvous store instead (torchrun's, or rank 0's without it) and, after `grace` seconds for the
+    others to time out too, lists who did not. A store that does not answer is rank 0's: rank 0 stalled.
+    """
+    if "MASTER_ADDR" not in os.environ:  # a file:// rendezvous: no store to meet on
+        return []
+    key = f"cookbook/alive/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"  # one namespace per torchrun attempt
+    world_size, alive = dist.get_world_size(), []
+
+    def check_in():  # in a thread: a client of a stopped store waits for ever, whatever its timeout
+        try:
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                  timeout=timedelta(seconds=grace))
+            store.set(key + str(RANK), "1")
+            time.sleep(grace)
+            alive.extend(r for r in range(world_size) if store.check([key + str(r)]))
+        except dist.DistError:
+            pass
+
+    thread = threading.Thread(target=check_in, daemon=True)
+    thread.start()
+    thread.join(3 * grace)
+    return [r for r in range(world_size) if r not in alive] if alive else [0]
+
+
+def load_engine(engine, args):
+    """Load --resume's DeepSpeed checkpoint ('auto': --output-dir's `latest`) into the engine: weights and
+    each rank's shard of the optimizer state. Returns this script's state (its client_state) or None."""
+    if args.resume != "auto" and not os.path.isdir(args.resume):
+        raise UsageError(f"no DeepSpeed checkpoint at '{args.resume}': pass a ds-epochN directory of --output-dir to "
+                         "--resume, or --resume auto (a single-file .pth checkpoint only with -e)")
+    # DeepSpeed unpickles with weights_only=False, which runs any code a file holds: here True, plus its classes.
+    from deepspeed.utils.tensor_fragment import fragment_address  # (deepspeed.utils.tensor_fragment: a class)
+    torch.serialization.add_safe_globals([fragment_address, deepspeed.runtime.fp16.loss_scaler.LossScaler,
+                                          deepspeed.runtime.zero.config.ZeroStageEnum])
+    engine.checkpoint_engine.load = lambda file, map_location=None: torch.load(file, map_location, weights_only=True)
+    where = [args.output_dir] if args.resume == "auto" else os.path.split(os.path.normpath(args.resume))
+    try:
+        path, checkpoint = engine.load_checkpoint(*where)  # path: rank 0's file in the checkpoint directory
+    except Exception as e:
+        reason = (str(e).strip() or repr(e)).splitlines()[0]
+        raise UsageError(f"cannot load checkpoint '{os.path.join(*where)}' ({reason}): it needs the -a, classes, "
+                         "--zero-stage and world size that wrote it") from None
+    if path is None:
+        log(f"=> --resume auto: no checkpoint in '{args.output_dir}', starting fresh")
+        return None
+    check_resumable(checkpoint, os.path.dirname(path), args)
+    log(f"=> loaded checkpoint '{os.path.dirname(path)}' (epoch {checkpoint['epoch']}, step {checkpoint['step']})")
+    return checkpoint
+
+
+# @record: under torchrun, an uncaught exception's traceback goes into torchrun's failure summary,
+# which otherwise only says "To enable traceback see ...".
+@record
+def main(argv=None):
+    args = argument_parser().parse_args(argv)
+    try:
+        main_worker(args)
+    except UsageError as e:
+        report(e)
+        sys.exit(2)
+    except Stopped:
+        if dist.is_initialized():  # no rank leaves before rank 0 has written the checkpoint
+            dist.barrier()
+            dist.destroy_process_group()
+        sys.exit(143)  # 128 + SIGTERM, as if the signal had ended the process: not a success, so it is requeued
+    except RuntimeError as e:
+        # gloo's words for a timed-out collective: on the one that waited, or on a later one that
+        # found its connections closed by the timeout.
+        if not (dist.is_initialized() and ("Timed out waiting" in str(e) or "Application timeout" in str(e))):
+            raise
+        stalled = stalled_ranks()
+        if not stalled:
+            raise
+        if RANK == min(set(range(dist.get_world_size())) - set(stalled)):  # one line, from the lowest live rank
+            print(f"error: rank(s) {', '.join(map(str, stalled))} stalled: the others waited --dist-timeout "
+                  f"{args.dist_timeout:g} s for them in a collective (a hang, a stopped process, or far slower "
+                  "work: py-spy dump shows where it is)", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def main_worker(args):
+    stop_on_signals()
+    seed_everything(args.seed)
+    train_set, val_set, num_classes = build_datasets(args)
+    model = build_model(args, num_classes)
+    rank, world_size, device = setup_distributed(args)
+    if args.sync_bn:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model.to(device)
+    checkpoint = load_checkpoint(args, model) if args.evaluate and os.path.isfile(args.resume) else None
+    # fused: one kernel updates every parameter, on GPUs and on CPUs (3x faster than the default loop here).
+    optimizer = torch.optim.SGD(model.parameters(), args.lr * args.batch_size / 256, momentum=args.momentum,
+                                weight_decay=args.weight_decay, fused=True)
+    # The engine broadcasts rank 0's weights. Each step it averages the gradients (ZeRO 2, 3: into 1/N per rank);
+    # at ZeRO 1-3 each rank updates 1/N of the weights with its 1/N of the optimizer state, then all gather them.
+    try:
+        parallel_model = deepspeed.initialize(model=model, optimizer=optimizer,
+                                              config=engine_config(args, world_size))[0]
+    except (OSError, AssertionError, ValueError, deepspeed.DeepSpeedConfigError) as e:  # reading and checking it
+        raise UsageError(f"bad DeepSpeed configuration: {(str(e).strip() or repr(e)).splitlines()[0]}") from None
+    checkpoint = checkpoint or (load_engine(parallel_model, args) if args.resume else None)
+    log(f"=> DeepSpeed {deepspeed.__version__}: ZeRO stage {args.zero_stage}, forward in {args.precision}")
+    micro_batch = args.batch_size // world_size // args.grad_accum_steps
+    log(f"=> {METHOD}: world size {world_size}, device {device.type}, arch {args.arch}, global batch "
+        f"{args.batch_size} ({micro_batch} per process x {args.grad_accum_steps} micro-batches), "
+        f"launcher {launcher_name(args)}")
+
+    # Every rank must shuffle with the same seed, or their shares would not partition the data: rank
+    # 0's, and a resumed run's is the checkpoint's, so that its epoch's order is the interrupted one.
+    args.seed = checkpoint["args"]["seed"] if checkpoint else all_gather_objects(
+        int.from_bytes(os.urandom(4), "little") if args.seed is None else args.seed)[0]
+    train_set = SampleSeeded(train_set, args.seed)
+    # DistributedSampler gives each rank a disjoint 1/W of a permutation that depends only on
+    # (seed, epoch), so the ranks' micro-batches of one step together form the batch one process
+    # would take. drop_last: drop the tail instead of padding it with duplicates.
+    train_sampler = ResumableSampler(train_set, world_size, rank, seed=args.seed, drop_last=True)
+    loader_args = {"num_workers": args.workers, "pin_memory": device.type != "cpu",
+                   "worker_init_fn": ignore_stop_signals}
+    train_loader = torch.utils.data.DataLoader(train_set, max(1, micro_batch), sampler=train_sampler,
+                                               generator=torch.Generator().manual_seed(args.seed + rank),
+                                               drop_last=True, **loader_args)
+    # Exact evaluation: fixed batches dealt out to the ranks, without padding (shard_batches says why).
+    val_loader = torch.utils.data.DataLoader(
+        val_set, batch_sampler=shard_batches(len(val_set), world_size, rank, args.val_batch_size), **loader_args)
+    steps_per_epoch = len(train_loader) // args.grad_accum_steps
+    if steps_per_epoch == 0 and not args.evaluate:
+        raise UsageError(f"the train set ({len(train_set)} images) is smaller than one global batch "
+                         f"(-b {args.batch_size}): lower -b")
+
+    criterion = nn.CrossEntropyLoss()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(args, max(1, steps_per_epoch)))
+    start_epoch, start_step, best_acc1 = resume_training(checkpoint, optimizer, scheduler, train_loader, rank,
+                                                         world_size, [device], args)
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):  # the scheduler came after the load
+        group["lr"] = lr
+    if args.evaluate:
+        val = validate(val_loader, model, device)
+        summary("SUMMARY", method=METHOD, launcher=launcher_name(args), world_size=world_size, device=device.type,
+                epoch=start_epoch - 1, **{f"val_{k}": v for k, v in val.items()})
+        return finish(model)
+
+    def save(epoch, step, loader_state, is_best=False):
+        """Checkpoint the state after `step` optimizer steps of `epoch` (a whole epoch: epoch + 1, step 0)."""
+        check_finite([getattr(p, "ds_tensor", p) for p in model.parameters()],  # ZeRO 3: this rank's shards
+                     epoch, step, optimizer.param_groups[0]["lr"])
+        rngs = all_gather_objects(dict(rng_state([device]), loader=loader_state))  # collective: every rank's
+        tag = f"ds-epoch{epoch}" + (f"-step{step}" if step else "")
+        parallel_model.save_checkpoint(args.output_dir, tag, client_state={  # every rank writes its shards
+            "epoch": epoch, "step": step, "arch": args.arch, "scheduler": scheduler.state_dict(),
+            "best_acc1": best_acc1, "world_size": world_size, "rng": rngs, "args": vars(args)})
+        for old in os.listdir(args.output_dir) if rank == 0 else []:  # then rank 0 removes the older ones
+            if old.startswith("ds-epoch") and old != tag:
+                shutil.rmtree(os.path.join(args.output_dir, old))
+        # And the whole model in one file, for a plain model; ZeRO 3 gathers it on every rank meanwhile.
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            if rank == 0 and not step:
+                save_checkpoint({"epoch": epoch, "arch": args.arch, "state_dict": model.state_dict(),
+                                 "best_acc1": best_acc1, "world_size": world_size, "args": vars(args)},
+                                is_best, args.output_dir)
+
+    for epoch in range(start_epoch, args.epochs):
+        # set_epoch reshuffles: without it every epoch would visit the data in the same order. After
+        # a mid-epoch checkpoint, the batches it had trained on are skipped, not loaded and dropped.
+        train_sampler.set_epoch(epoch, skip=start_step * args.grad_accum_steps * micro_batch)
+        train_set.set_epoch(epoch)
+        # The loader draws its workers' seeds from its generator as the epoch starts: mid-epoch
+        # checkpoints keep the state from before that draw, so a resumed epoch makes the same one.
+        loader_state = train_loader.generator.get_state()
+        start = time.perf_counter()
+        train_metrics, train_time, data_wait = train(train_loader, parallel_model, criterion, optimizer, scheduler,
+                                                     epoch, start_step, steps_per_epoch, device, args,
+                                                     lambda step: save(epoch, step, loader_state))
+        start_step = 0
+        val = validate(val_loader, model, device)
+        is_best, best_acc1 = val["acc1"] > best_acc1, max(val["acc1"], best_acc1)
+        save(epoch + 1, 0, train_loader.generator.get_state(), is_best)
+        summary("SUMMARY", method=METHOD, launcher=launcher_name(args), world_size=world_size, device=device.type,
+                epoch=epoch, train_loss=train_metrics["loss"], train_acc1=train_metrics["acc1"],
+                val_loss=val["loss"], val_acc1=val["acc1"], val_acc5=val["acc5"], val_count=val["count"],
+                epoch_time=round(time.perf_counter() - start, 3),
+                images_per_sec=round(train_metrics["count"] / train_time, 1),
+                data_wait=round(data_wait / train_time, 4), lr=optimizer.param_groups[0]["lr"])
+    finish(model, best_acc1=best_acc1)
+
+
+def train(loader, model, criterion, optimizer, scheduler, epoch, first_step, steps, device, args, save):
+    """One epoch from optimizer step first_step (after a mid-epoch resume, else 0), calling save(step)
+    every --save-every steps. Returns (globally reduced metrics, seconds, seconds spent waiting for data)."""
+    model.train()
+    meter = AverageMeter(device)
+    accum = args.grad_accum_steps
+    batches = iter(loader)
+    data_wait = interval_wait = 0.0
+    start = interval_start = time.perf_counter()
+    for step in range(first_step, steps):
+        for micro in range(accum):
+            t0 = time.perf_counter()
+            images, target = next(batches)
+            waited = time.perf_counter() - t0
+            data_wait, interval_wait = data_wait + waited, interval_wait + waited
+            images = images.to(device, non_blocking=True)
+            target = target.to(device, non_blocking=True)
+            output = model(images)
+            loss = criterion(output.float(), target)  # float: under --precision the logits are not
+            # The engine divides the loss by --grad-accum-steps; ZeRO 0, 1 communicate at the last micro-batch
+            # only (ZeRO 2, 3 reduce-scatter each one's gradients). step() each time: it updates at the last.
+            model.backward(loss)
+            model.step()
+            meter.update(loss.detach() * target.size(0), *correct_counts(output.detach(), target), target.size(0))
+        scheduler.step()
+        if (step + 1) % args.print_freq == 0 or step + 1 == steps:
+            metrics = meter.reduced()  # the only host sync: once per print interval
+            now, done = time.perf_counter(), min(step % args.print_freq, step - first_step) + 1
+            log(f"Epoch: [{epoch}][{step + 1:{len(str(steps))}d}/{steps}]  Time {(now - interval_start) / done:6.3f}  "
+                f"Data {interval_wait / done:6.3f}  Loss {metrics['loss']:.4e}  Acc@1 {metrics['acc1']:6.2f}  "
+                f"Acc@5 {metrics['acc5']:6.2f}")
+            interval_start, interval_wait = now, 0.0
+            if not math.isfinite(metrics["loss"]):
+                raise diverged(f"the training loss is {metrics['loss']}", epoch, step + 1,
+                               optimizer.param_groups[0]["lr"])
+            if metrics["stop"]:  # a rank got SIGTERM or SIGUSR1: every rank stops after this same step
+                save(step + 1)
+                log(f"=> stopped on a signal after step {step + 1} of epoch {epoch}, checkpoint written: "
+                    "--resume auto continues from it")
+                raise Stopped()
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < steps:  # the last: main_worker's
+            save(step + 1)
+    return meter.reduced(), time.perf_counter() - start, data_wait
+
+
+def validate(loader, model, device):
+    """Exact evaluation: every val image counted once; (sum, count) reduced over ranks, not means. It
+    runs the plain model: the parallel wrapper's collectives, ranks with fewer val batches would not join."""
+    broadcast_buffers(model)
+    model.eval()
+    meter = AverageMeter(device)
+    # ZeRO 3 forwards all-gather each layer: every rank runs as many as the rank with the most val batches.
+    rounds = max(all_gather_objects(len(loader)))
+    with torch.no_grad():
+        for images, target in itertools.islice(itertools.chain(loader, itertools.repeat((None, None))), rounds):
+            if images is None:  # this rank is out of batches: a stand-in forward, its output discarded
+                model(loader.dataset[0][0].unsqueeze(0).to(device))
+                continue
+            images = images.to(device, non_blocking=True)
+            target = target.to(device, non_blocking=True)
+            output = model(images)
+            meter.update(F.cross_entropy(output, target, reduction="none").double().sum(),
+                         *correct_counts(output, target), target.size(0))
+    metrics = meter.reduced()
+    log(f" * Acc@1 {metrics['acc1']:.3f} Acc@5 {metrics['acc5']:.3f} Loss {metrics['loss']:.4f} "
+        f"({metrics['count']} images)")
+    return metrics
+
+
+def finish(model, best_acc1=None):
+    """Report every rank's digest of the final model, then leave the process group cleanly."""
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):  # ZeRO 3: the whole model, not the shards
+        digests = all_gather_objects(state_digest(model))
+    summary("DONE", method=METHOD, state_sha256=digests, ranks_identical=len(set(digests)) == 1,
+            **({} if best_acc1 is None else {"best_acc1": best_acc1}))
+    if dist.is_initialized():
+        # A barrier before teardown: a rank that exits while a peer is still in a collective can
+        # make the peer abort at interpreter exit.
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# ---- helpers shared by every script: skip them on a first read ----
+# Byte-identical in every script (tests/test_consistency.py); tools/sync_shared.py copies a change.
+
+class UsageError(Exception):
+    """Bad input that every rank meets: global rank 0 reports it in one line, without a traceback."""
+
+
+class LocalError(UsageError):
+    """Bad input that only some ranks meet (an image in their shard, a node short of GPUs): each of
+    them reports it, and the launcher stops the others."""
+
+
+def report(error):
+    if RANK == 0 or isinstance(error, LocalError):
+        # Raised in a DataLoader worker, it comes back with the worker's traceback before its message.
+        print(f"error: {str(error).rsplit(type(error).__name__ + ': ', 1)[-1].strip()}", file=sys.stderr, flush=True)
+
+
+def log(*args, **kwargs):
+    """Print on global rank 0 only, so N processes do not print N copies."""
+    if RANK == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def summary(kind, **fields):
+    """One machine-readable JSON line (rank 0), for statistics.sh and the tests."""
+    log(f"{kind} " + json.dumps(fields))
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, as for any bad input, not the usage text too
+        report(UsageError(message))
+        sys.exit(2)
+
+
+def number(kind, low, high=None, open_low=False):
+    """argparse type: a `kind` in [low, high] ((low, high] if open_low), else an error naming the range."""
+    def parse(text):
+        value = kind(text)
+        if value < low or (open_low and value == low) or (high is not None and value > high):
+            bounds = (f"> {low:g}" if open_low else f">= {low:g}") + (f" and <= {high:g}" if high is not None else "")
+            raise argparse.ArgumentTypeError(f"{text} is out of range: pass a number {bounds}")
+        return value
+    parse.__name__, parse.bounds = kind.__name__, (low, high)  # argparse names the type in its errors
+    return parse
+
+
+def training_arguments(description):
+    """A parser with the flags every script shares (named as in pytorch/examples' imagenet)."""
+    parser = ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = parser.add_argument
+    add("--data", metavar="DIR", help="dataset root holding train/ and val/ in ImageFolder layout")
+    add("--dummy", action="store_true", help="synthetic images (torchvision's FakeData) instead of --data")
+    add("--dummy-samples", type=number(int, 1), default=10000, help="--dummy train images (val: a tenth)")
+    add("-a", "--arch", default="resnet18", help="torchvision classification model")
+    add("--norm", choices=["batch", "group"], default="batch",
+        help="BatchNorm, or GroupNorm(32) for ResNets (per sample: the per-rank batch does not matter)")
+    add("--image-size", type=number(int, 1), default=224, help="train crop; val resizes to size*256/224, crops size")
+    add("--min-crop-scale", type=number(float, 0, 1, open_low=True), default=0.08,
+        help="smallest area RandomResizedCrop keeps (ImageNet: 0.08; tiny images such as the demo's: ~0.35)")
+    add("-j", "--workers", type=number(int, 0), default=4, help="data loading workers per process")
+    add("--epochs", type=number(int, 1), default=90, help="total epochs to run")
+    add("-b", "--batch-size", type=number(int, 1), default=256,
+        help="GLOBAL batch per optimizer step, split over all processes and --grad-accum-steps micro-batches")
+    add("--val-batch-size", type=number(int, 1), default=64, help="evaluation batch per process, at any world size")
+    add("--grad-accum-steps", type=number(int, 1), default=1,
+        help="micro-batches per optimizer step; gradients are averaged over ranks once per step")
+    add("--lr", "--learning-rate", type=number(float, 0, open_low=True), default=0.1,
+        help="lr for a global batch of 256: the lr used is lr * b / 256 (linear scaling rule, Goyal et al. 2017)")
+    add("--warmup-epochs", type=number(float, 0), default=0.0, help="ramp the lr up linearly over these, per step")
+    add("--lr-step-size", type=number(int, 1), default=30, help="multiply the lr by --lr-gamma every N epochs")
+    add("--lr-gamma", type=number(float, 0, 1, open_low=True), default=0.1, help="lr decay factor")
+    add("--momentum", type=number(float, 0, 1), default=0.9, help="SGD momentum")
+    add("--wd", "--weight-decay", type=number(float, 0), default=1e-4, dest="weight_decay", help="weight decay")
+    add("-p", "--print-freq", type=number(int, 1), default=10, help="print (and reduce metrics) every N steps")
+    add("--output-dir", default="checkpoints", help="where checkpoints are written")
+    add("--save-every", type=number(int, 0), default=0, metavar="N",
+        help="also checkpoint every N steps (0: at epoch ends only); resumed, it skips the batches trained on")
+    add("--resume", default="", metavar="PATH", help="checkpoint to resume from; 'auto': --output-dir's, if any")
+    add("-e", "--evaluate", action="store_true", help="evaluate the model on val and exit")
+    add("--seed", type=number(int, 0), help="seed everything, deterministic kernels (bitwise-reproducible on CPU)")
+    add("--cpu", action="store_true", help="use the CPU even if GPUs are visible")
+    return parser
+
+
+def seed_everything(seed):
+    """--seed: seeded generators and deterministic kernels; without it, cuDNN picks the fastest ones."""
+    if seed is None:
+        torch.backends.cudnn.benchmark = True
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS needs it before it starts
+    random.seed(seed)
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+STOP_SIGNALS = []  # the stop signals this process received (stop_on_signals)
+
+
+class Stopped(Exception):
+    """Every rank stopped training after the same step, on a signal, and rank 0 wrote a checkpoint."""
+
+
+def stop_on_signals():
+    """SIGTERM (a launcher ending the job: torchrun passes it on, Slurm sends it on preemption) and
+    SIGUSR1 (Slurm's warning before the time limit, #SBATCH --signal) ask training to stop: the
+    ranks agree on a step at their next metrics reduction (train), checkpoint it and exit 143."""
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, lambda received, frame: STOP_SIGNALS.append(received))
+    # The DataLoader workers ignore them (ignore_stop_signals), so multiprocessing's exit, which ends
+    # leftover workers by SIGTERM and then waits for them, would wait for ever: kill them first.
+    atexit.register(lambda: [child.kill() for child in multiprocessing.active_children()])
+
+
+def ignore_stop_signals(worker_id):
+    """DataLoader worker_init_fn: launchers signal a worker's whole process group, loader workers too,
+    which would die of it (torch's handler) before their trainer has stopped."""
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
+
+
+def diverged(what, epoch, step, lr):
+    return UsageError(f"{what} in epoch {epoch} at step {step}: the training diverged (no checkpoint was written "
+                      f"since): lower --lr (the lr was {lr:g}), add --warmup-epochs, or train in float32")
+
+
+def check_finite(tensors, epoch, step, lr):
+    """Before a checkpoint is written: its weights are finite, on every rank (one small collective)."""
+    bad = all_reduce_sum(torch.stack([t.detach().isfinite().all().logical_not() for t in tensors]).sum().double())
+    if bad.item():
+        raise diverged("the weights are not finite", epoch, step, lr)
+
+
+def pick_device(args, local_rank, local_world_size):
+    """GPU `local_rank` of this node where torch sees GPUs (torch.accelerator: CUDA for this build),
+    else the CPU; --cpu forces the CPU."""
+    accelerator = None if args.cpu else torch.accelerator.current_accelerator(check_available=True)
+    if accelerator is None:
+        return torch.device("cpu")
+    if local_world_size > torch.accelerator.device_count():
+        # All processes of this node fail alike: its local rank 0 says why (rank 0 may be on another node).
+        raise (LocalError if local_rank == 0 else UsageError)(
+            f"{local_world_size} processes on this node, which shows {torch.accelerator.device_count()} GPU(s): "
+            "start at most one process per GPU")
+    torch.accelerator.set_device_index(local_rank)  # before any GPU work, so nothing lands on GPU 0 by accident
+    return torch.device(accelerator.type, local_rank)
+
+
+def check_batch(args, world_size, replicas=1, sync_bn=False):
+    """-b must split into world_size processes x --grad-accum-steps micro-batches (x `replicas` in
+    each process: DataParallel's GPUs) and leave BatchNorm at least 2 images in each."""
+    if args.evaluate:
+        return
+    if args.batch_size % (world_size * args.grad_accum_steps):
+        raise UsageError(f"global batch -b {args.batch_size} must be a multiple of world size {world_size} "
+                         f"x --grad-accum-steps {args.grad_accum_steps}")
+    shares = torch.arange(args.batch_size // world_size // args.grad_accum_steps).chunk(replicas)
+    if args.norm == "batch" and not sync_bn and min(len(share) for share in shares) < 2:
+        raise UsageError(f"-b {args.batch_size} leaves 1 image per process and micro-batch"
+                         f"{' and GPU' if replicas > 1 else ''}, too few for BatchNorm's statistics: raise -b, "
+                         "or pass --norm group (or --sync-bn on GPUs)")
+
+
+def check_output_dir(args):
+    """Rank 0 writes the checkpoints: it finds out now, not after an epoch, if it cannot."""
+    if RANK == 0 and not args.evaluate:
+        try:
+            os.makedirs(args.output_dir, exist_ok=True)
+            tempfile.TemporaryFile(dir=args.output_dir).close()
+        except OSError as e:
+            raise UsageError(f"cannot write checkpoints to --output-dir '{args.output_dir}': {e.strerror}") from None
+
+
+def load_image(path):
+    """ImageFolder's loader, with an error naming a corrupt or truncated file."""
+    try:
+        return datasets.folder.pil_loader(path)
+    except (OSError, SyntaxError, ValueError) as e:  # what PIL raises for undecodable data
+        raise LocalError(f"cannot read image '{path}' ({e}): replace or delete the file") from None
+
+
+def build_datasets(args):
+    """Train and val datasets plus the class count; bad data directories raise UsageError."""
+    if args.dummy:
+        shape, val_count = (3, args.image_size, args.image_size), max(1, args.dummy_samples // 10)
+        return (datasets.FakeData(args.dummy_samples, shape, 1000, transforms.ToTensor()),
+                datasets.FakeData(val_count, shape, 1000, transforms.ToTensor(), random_offset=args.dummy_samples),
+                1000)
+    if not args.data:
+        raise UsageError("no dataset: pass --data DIR (with DIR/train and DIR/val) or --dummy")
+    for split in ("train", "val"):
+        top = os.path.join(args.data, split)
+        if not os.path.isdir(top):
+            raise UsageError(f"{top} is not a directory: --data must hold train/ and val/ in ImageFolder layout "
+                             "(python tools/make_demo_data.py writes a demo set)")
+        # ImageFolder follows symlinks to directories: one back to a directory it is in would add every
+        # image below that again, to its class, until the path grows too long for the OS.
+        for path, dirs, _ in os.walk(top, followlinks=True):
+            parts = os.path.relpath(path, top).split(os.sep)
+            above = {os.path.realpath(os.path.join(top, *parts[:i])) for i in range(len(parts) + 1)}
+            for name in dirs:
+                if os.path.realpath(os.path.join(path, name)) in above:
+                    raise UsageError(f"symlink loop in --data: '{os.path.join(path, name)}' leads back to "
+                                     f"'{os.path.realpath(os.path.join(path, name))}': remove or replace the link")
+    normalize = transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
+    train_tf = transforms.Compose([transforms.RandomResizedCrop(args.image_size, scale=(args.min_crop_scale, 1.0)),
+                                   transforms.RandomHorizontalFlip(), transforms.ToTensor(), normalize])
+    val_tf = transforms.Compose([transforms.Resize(args.image_size * 256 // 224), transforms.CenterCrop(args.image_size),
+                                 transforms.ToTensor(), normalize])
+    try:
+        train = datasets.ImageFolder(os.path.join(args.data, "train"), train_tf, loader=load_image)
+        val = datasets.ImageFolder(os.path.join(args.data, "val"), val_tf, loader=load_image)
+    except FileNotFoundError as e:  # no class folders, or a class folder without images
+        raise UsageError(f"bad dataset in {args.data}: {e}") from None
+    if val.classes != train.classes:
+        missing = sorted(set(train.classes) ^ set(val.classes))
+        raise UsageError(f"val classes differ from train classes in {args.data} (e.g. {missing[:5]}): "
+                         "both must hold the same class folders")
+    return train, val, len(train.classes)
+
+
+def build_model(args, num_classes):
+    known = models.list_models(module=models)
+    if args.arch not in known:
+        close = difflib.get_close_matches(args.arch, known, n=3)
+        raise UsageError(f"unknown --arch '{args.arch}': "
+                         + (f"did you mean {', '.join(close)}?" if close else "see torchvision.models.list_models()"))
+    kwargs = {"num_classes": num_classes}
+    if args.norm == "group":
+        if not args.arch.startswith(("resnet", "resnext", "wide_resnet")):
+            raise UsageError(f"--norm group needs a ResNet-family --arch, not '{args.arch}'")
+        kwargs["norm_layer"] = lambda channels: nn.GroupNorm(32, channels)
+    with torch.device("meta"):  # shapes only, no memory or compute: an image size the model cannot take fails here
+        try:
+            models.get_model(args.arch, **kwargs)(torch.empty(2, 3, args.image_size, args.image_size))
+        except (RuntimeError, ValueError, AssertionError) as e:
+            raise UsageError(f"--image-size {args.image_size} is too small for --arch {args.arch} "
+                             f"({str(e).splitlines()[0]}): pass a larger one") from None
+    return models.get_model(args.arch, **kwargs)
+
+
+class SampleSeeded(torch.utils.data.Dataset):
+    """Seeds each sample's random augmentation from (seed, epoch, index): an image gets the same crop
+    and flip at any world size, worker count or restart, so N processes see exactly the batches one
+    process would, and a resumed run continues exactly."""
+
+    def __init__(self, dataset, seed):
+        self.dataset, self.seed, self.epoch = dataset, seed, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        with torch.random.fork_rng(devices=[]):
+            # The CPU generator only, which the transforms draw from (torch.manual_seed would seed
+            # every GPU too: 50x slower per image).
+            torch.random.default_generator.manual_seed(
+                ((self.seed * 1_000_003 + self.epoch) * 1_000_000_007 + index) % 2**63)
+            return self.dataset[index]
+
+
+class ResumableSampler(torch.utils.data.distributed.DistributedSampler):
+    """DistributedSampler whose epoch can start part-way: set_epoch(epoch, skip) leaves out the first
+    `skip` indices of this rank's share, the samples a mid-epoch checkpoint had already trained on.
+    Shares interleave (rank r takes positions r, r+W, ...), so skipping k*B/W on every rank skips
+    exactly the first k global batches of B, at any world size."""
+
+    skip = 0
+
+    def set_epoch(self, epoch, skip=0):
+        super().set_epoch(epoch)
+        self.skip = skip
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self):
+        return super().__len__() - self.skip
+
+
+def shard_batches(count, num_replicas, rank, batch_size):
+    """Rank `rank`'s evaluation batches: the val set cut into batches of batch_size, dealt out
+    round-robin, with NO padding (DistributedSampler pads with duplicates, which would count some
+    images twice; unequal shares are fine, as evaluation synchronises once, after its loop). Every
+    image lands in the same batch at any world size, so even the rounding is identical."""
+    starts = range(rank * batch_size, count, num_replicas * batch_size)
+    return [list(range(start, min(start + batch_size, count))) for start in starts]
+
+
+class AverageMeter:
+    """Sums of loss, top-1 and top-5 hits and the sample count, on the training device: update()
+    only queues device work, and nothing waits for the GPU until reduced() (once per print interval
+    and once per epoch), so logging costs no per-step sync. The reduction also carries the stop
+    signals the ranks received: "stop" is true on every rank once one was asked to stop."""
+
+    def __init__(self, device):
+        self.sums = torch.zeros(5, dtype=torch.float64, device=device)  # float64: exact enough at any world size
+
+    def update(self, loss_sum, correct1, correct5, count):
+        self.sums[:3] += torch.stack([loss_sum.double(), correct1.double(), correct5.double()])
+        self.sums[3] += count  # a Python number: a kernel argument, not a host-to-device copy
+
+    def reduced(self):
+        self.sums[4] = len(STOP_SIGNALS)
+        loss, correct1, correct5, count, stop = all_reduce_sum(self.sums.clone()).tolist()
+        per = max(count, 1)
+        return {"count": int(count), "loss": loss / per, "acc1": correct1 / per * 100, "acc5": correct5 / per * 100,
+                "stop": stop > 0}
+
+
+def correct_counts(output, target, topk=(1, 5)):
+    """Number of samples whose target is among the top-k predictions, for each k (as tensors)."""
+    maxk = min(max(topk), output.size(1))
+    hits = output.topk(maxk, dim=1).indices.eq(target.view(-1, 1))
+    return [hits[:, :min(k, maxk)].any(dim=1).sum() for k in topk]
+
+
+def lr_schedule(args, steps_per_epoch):
+    """Factor on the base lr at optimizer step s: linear warmup, then pytorch/examples' step decay."""
+    warmup_steps = args.warmup_epochs * steps_per_epoch
+
+    def factor(step):
+        warmup = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+        return warmup * args.lr_gamma ** ((step // steps_per_epoch) // args.lr_step_size)
+    return factor
+
+
+def rng_state(devices):
+    """Every generator this process draws from: the CPU's, Python's and those of the GPUs in `devices`
+    (the ones it trains on: --cpu never starts CUDA). CPU tensors, so it loads anywhere."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "devices": [torch.get_device_module(d).get_rng_state(d) for d in devices if d.type != "cpu"]}
+
+
+def set_rng_state(state, devices):
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    # A checkpoint written on the CPU has no GPU state: the GPUs keep their seeded generators.
+    for device, device_state in zip([d for d in devices if d.type != "cpu"], state["devices"]):
+        torch.get_device_module(device).set_rng_state(device_state, device)
+
+
+def to_cpu(state):
+    """A copy of a (nested) state with every tensor on the CPU, so the checkpoint opens on any machine."""
+    if isinstance(state, torch.Tensor):
+        return state.cpu()
+    if isinstance(state, dict):
+        return {key: to_cpu(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(to_cpu(value) for value in state)
+    return state
+
+
+def save_checkpoint(state, is_best, output_dir):
+    """Write checkpoint.pth atomically (temp file in the same directory, fsync, os.replace): a crash
+    mid-write leaves the previous checkpoint intact, never a truncated one."""
+    path = os.path.join(output_dir, "checkpoint.pth")
+    fd, tmp = tempfile.mkstemp(dir=output_dir, prefix=".checkpoint.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(to_cpu(state), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if is_best:
+            fd, tmp = tempfile.mkstemp(dir=output_dir, prefix=".model_best.", suffix=".tmp")
+            os.close(fd)
+            shutil.copyfile(path, tmp)
+            os.replace(tmp, os.path.join(output_dir, "model_best.pth"))
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def load_checkpoint(args, model):
+    """Load --resume's checkpoint into the model and return it; None to start fresh ('auto' without one).
+
+    weights_only=True never runs pickled code. It is loaded onto the CPU, whatever device wrote it:
+    load_state_dict copies the weights to the model's device, and RNG states stay CPU tensors.
+    """
+    path = os.path.join(args.output_dir, "checkpoint.pth") if args.resume == "auto" else args.resume
+    if args.resume == "auto" and not os.path.isfile(path):
+        log(f"=> --resume auto: no checkpoint in '{args.output_dir}', starting fresh")
+        return None
+    if not path:
+        return None
+    if not os.path.isfile(path):
+        raise UsageError(f"no checkpoint at '{path}': pass an existing file to --resume (or --resume auto)")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"cannot load checkpoint '{path}' (truncated, corrupt or not a plain-tensor "
+                         f"checkpoint): {reason}") from None
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise UsageError(f"'{path}' is not a checkpoint written by this cookbook (no state_dict)")
+    check_resumable(checkpoint, path, args)
+    try:
+        model.load_state_dict(checkpoint["state_dict"])
+    except RuntimeError as e:
+        raise UsageError(f"checkpoint '{path}' does not fit this model ({str(e).splitlines()[0]}): "
+                         "check -a and the number of classes") from None
+    log(f"=> loaded checkpoint '{path}' (epoch {checkpoint['epoch']}, step {checkpoint.get('step', 0)})")
+    return checkpoint
+
+
+def check_resumable(checkpoint, path, args):
+    """A checkpoint of another arch, or one that stopped in an epoch resumed with another -b (the
+    batches to skip are batches of its -b), is one error line."""
+    if checkpoint.get("arch") != args.arch:
+        raise UsageError(f"checkpoint '{path}' is for arch '{checkpoint.get('arch')}', not '{args.arch}': "
+                         f"pass -a {checkpoint.get('arch')} or another checkpoint")
+    if checkpoint.get("step") and checkpoint["args"]["batch_size"] != args.batch_size and not args.evaluate:
+        raise UsageError(f"checkpoint '{path}' stopped in an epoch, after step {checkpoint['step']} of -b "
+                         f"{checkpoint['args']['batch_size']}: resume it with that -b")
+
+
+def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_size, devices, args):
+    """Restore a loaded checkpoint's training state: returns (start epoch, start step, best top-1)."""
+    if checkpoint is None:
+        return 0, 0, 0.0
+    if not args.evaluate:
+        if "optimizer" in checkpoint:  # (FSDP's sharded checkpoints restore it from their shards)
+            # The saved param groups would also replace this run's choice of implementation (fused, foreach).
+            chosen = [{key: group[key] for key in ("fused", "foreach") if key in group}
+                      for group in optimizer.param_groups]
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            for group, keep in zip(optimizer.param_groups, chosen):
+                group.update(keep)
+            # A checkpoint keeps the memory layout of the run that wrote it (channels_last or not), and
+            # the fused step takes the state to be laid out as its parameter: copy it into that layout.
+            for param, state in optimizer.state.items():
+                for key, value in state.items():
+                    if torch.is_tensor(value) and value.shape == param.shape and value.stride() != param.stride():
+                        state[key] = torch.empty_like(param).copy_(value)
+        scheduler.load_state_dict(checkpoint["scheduler"])
+        if len(checkpoint["rng"]) == world_size:
+            set_rng_state(checkpoint["rng"][rank], devices)
+            train_loader.generator.set_state(checkpoint["rng"][rank]["loader"])
+        else:
+            log(f"=> checkpoint has RNG state for {len(checkpoint['rng'])} ranks, not {world_size}: "
+                "data order stays exact, other random state is reseeded")
+    return checkpoint["epoch"], checkpoint.get("step", 0), checkpoint["best_acc1"]
+
+
+def state_digest(model):
+    """SHA-256 of every parameter and buffer: equal digests mean bitwise-identical models."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+# ---- end of shared helpers ----
+
+
+if __name__ == "__main__":
+    main()
