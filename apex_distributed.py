@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """ImageNet training with DDP and mixed precision: NVIDIA apex's recipe, which is torch.amp since NVIDIA
 removed apex.amp and apex.parallel in 2025 (PyPI's "apex" is another package): distributed.py plus
-autocast, a GradScaler for fp16, channels_last on CUDA and torch's fused SGD (apex's FusedSGD's successor).
+autocast, a GradScaler for fp16, channels_last, and the speed knobs: --compile, --grad-compression.
 
     torchrun --nproc-per-node=8 apex_distributed.py --data /path/to/imagenet  # 8 GPUs (no GPU: 8 CPU processes)
 
@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import difflib
 import hashlib
+import importlib.util
 import itertools
 import json
 import math
@@ -36,6 +37,7 @@ import torch.utils.data
 import torchvision.datasets as datasets
 import torchvision.models as models
 import torchvision.transforms as transforms
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -47,8 +49,13 @@ def argument_parser():
     """The flags every script shares (training_arguments, at the end of the file), plus DDP's own."""
     parser = training_arguments("PyTorch ImageNet training with DistributedDataParallel and mixed precision")
     parser.add_argument("--amp-dtype", choices=["float16", "bfloat16", "float32"],
-                        help="autocast dtype (default: float16 on CUDA, bfloat16 on the CPU, where float16 is "
-                             "very slow); float32 turns AMP off")
+                        help="autocast dtype; float32 turns AMP off (default: float16 on GPUs; bfloat16 on CPUs "
+                             "that compute it natively, else float32)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model (C++ on CPUs, Triton on GPUs)")
+    parser.add_argument("--grad-compression", choices=["none", "fp16", "bf16"], default="none",
+                        help="all-reduce the gradients in fp16 or bf16: half the bytes (a DDP communication hook)")
+    parser.add_argument("--channels-last", choices=["auto", "on", "off"], default="auto",
+                        help="NHWC activations and weights; auto: on GPUs only (slower on the CPUs measured)")
     parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
     parser.add_argument("--dist-timeout", type=number(float, 0, open_low=True), default=1800,
                         help="seconds a collective waits for the other ranks before failing")
@@ -69,12 +76,20 @@ def setup_distributed(args):
     if args.sync_bn and device.type != "cuda":
         raise UsageError("--sync-bn needs CUDA: SyncBatchNorm works only with CUDA modules (drop --sync-bn on CPU)")
     check_batch(args, world_size, sync_bn=args.sync_bn and world_size > 1)  # one process: plain BatchNorm
-    # fp16 runs on every CUDA GPU's Tensor Cores; CPUs accelerate bf16 (AVX512-BF16, AMX), not fp16.
-    args.amp_dtype = args.amp_dtype or ("float16" if device.type == "cuda" else "bfloat16")
+    args.amp_dtype = args.amp_dtype or default_amp_dtype(device)
     # including_emulation=False: older GPUs run bf16 only emulated (the default True says they support it).
     if (args.amp_dtype == "bfloat16" and device.type == "cuda"
             and not torch.cuda.is_bf16_supported(including_emulation=False)):
         raise UsageError("--amp-dtype bfloat16 needs an Ampere or newer GPU: use float16")
+    # inductor writes C++ for the CPU (CXX or g++ compiles it) and Triton kernels for GPUs.
+    if args.compile and device.type == "cpu" and not shutil.which(os.environ.get("CXX", "g++")):
+        raise UsageError(f"--compile on the CPU needs a C++ compiler, and {os.environ.get('CXX', 'g++')} is not "
+                         "found: install one (apt-get install g++) or set CXX, or drop --compile")
+    if args.compile and device.type == "cuda" and not importlib.util.find_spec("triton"):
+        raise UsageError("--compile on GPUs needs Triton, which is not installed: pip install triton, or drop "
+                         "--compile")
+    if args.compile and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 7:
+        raise UsageError("--compile needs a Volta or newer GPU (Triton does not compile for older ones): drop it")
     check_output_dir(args)
     if world_size > 1:
         try:
@@ -95,14 +110,27 @@ def launcher_name(args):
     return "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "none"
 
 
+def default_amp_dtype(device):
+    """fp16 on GPUs, whose Tensor Cores all run it; bf16 on CPUs that compute it natively (AVX512-BF16 or
+    AMX); else float32: on an AVX2-only CPU, emulated bf16 made a step 23x slower than float32."""
+    if device.type != "cpu":
+        return "float16"
+    if any(torch.cpu.get_capabilities().get(isa) for isa in ("avx512_bf16", "amx_bf16")):
+        return "bfloat16"
+    log("=> mixed precision off: this CPU has no native bf16 (AVX512-BF16 or AMX), and emulated bf16 is slower")
+    return "float32"
+
+
 def autocast(device, args):
     """Convolutions and matmuls in --amp-dtype; autocast keeps losses, norms and softmax in fp32."""
     return torch.autocast(device.type, dtype=getattr(torch, args.amp_dtype), enabled=args.amp_dtype != "float32")
 
 
-def memory_format(device):
-    # NHWC lets cuDNN run fp16/bf16 convolutions on Tensor Cores without transposing every activation.
-    return torch.channels_last if device.type == "cuda" else torch.contiguous_format
+def memory_format(device, args):
+    # NHWC lets cuDNN run fp16/bf16 convolutions on Tensor Cores without transposing every activation;
+    # on the CPUs measured it was slower (32 px) or no faster (64 px).
+    channels_last = args.channels_last == "on" or (args.channels_last == "auto" and device.type == "cuda")
+    return torch.channels_last if channels_last else torch.contiguous_format
 
 
 # ---- communication: the lines each method does its own way (no-ops without a process group) ----
@@ -195,12 +223,24 @@ def main_worker(args):
     rank, world_size, device = setup_distributed(args)
     if args.sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    model.to(device, memory_format=memory_format(device))
+    model.to(device, memory_format=memory_format(device, args))
+    if args.compile:
+        # In place (nn.Module.compile): the state_dict keys stay the model's, so checkpoints of compiled
+        # and uncompiled runs load into each other. The module inside DDP is compiled, not the wrapper:
+        # dynamo then sees DDP's gradient buckets and splits the graph at their boundaries, so each
+        # bucket's all-reduce still overlaps the rest of backward (one whole graph would hand over
+        # every gradient at its end). inductor's own switch to channels_last follows --channels-last.
+        torch._inductor.config.layout_optimization = memory_format(device, args) == torch.channels_last
+        model.compile()
     checkpoint = load_checkpoint(args, model)
     # DDP broadcasts rank 0's weights, then averages the gradients over the ranks during backward,
     # bucket by bucket, so the all-reduce of one bucket overlaps the backward of the next.
     # gradient_as_bucket_view: the gradients live in those buckets, one copy fewer of them in memory.
     parallel_model = DDP(model, gradient_as_bucket_view=True) if world_size > 1 else model
+    if args.grad_compression != "none" and world_size > 1:
+        # The gradients cross the wire in fp16 or bf16 (half the bytes; each rank's is rounded once) and
+        # are averaged back in their own dtype: DDP's counterpart of Horovod's --fp16-allreduce.
+        parallel_model.register_comm_hook(None, getattr(default_hooks, f"{args.grad_compression}_compress_hook"))
     micro_batch = args.batch_size // world_size // args.grad_accum_steps
     log(f"=> {METHOD}: world size {world_size}, device {device.type}, arch {args.arch}, global batch "
         f"{args.batch_size} ({micro_batch} per process x {args.grad_accum_steps} micro-batches), "
@@ -242,7 +282,9 @@ def main_worker(args):
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp_dtype == "float16")
     # A skipped step (fp16 overflow, common in the first steps) still advances the lr schedule, as intended.
     warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-    log(f"=> autocast {args.amp_dtype}, GradScaler {'on' if scaler.is_enabled() else 'off'}, fused SGD")
+    log(f"=> autocast {args.amp_dtype}, GradScaler {'on' if scaler.is_enabled() else 'off'}, compile "
+        f"{'on' if args.compile else 'off'}, gradient compression {args.grad_compression}, channels_last "
+        f"{'on' if memory_format(device, args) == torch.channels_last else 'off'}")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(args, max(1, steps_per_epoch)))
     start_epoch, start_step, best_acc1 = resume_training(checkpoint, optimizer, scheduler, train_loader, rank,
                                                          world_size, [device], args)
@@ -305,7 +347,7 @@ def train(loader, model, criterion, optimizer, scaler, scheduler, epoch, first_s
             images, target = next(batches)
             waited = time.perf_counter() - t0
             data_wait, interval_wait = data_wait + waited, interval_wait + waited
-            images = images.to(device, non_blocking=True, memory_format=memory_format(device))
+            images = images.to(device, non_blocking=True, memory_format=memory_format(device, args))
             target = target.to(device, non_blocking=True)
             # no_sync: accumulate gradients locally on all but the last micro-batch, so DDP
             # all-reduces once per optimizer step instead of once per micro-batch.
@@ -350,7 +392,7 @@ def validate(loader, model, device, args):
     meter = AverageMeter(device)
     with torch.no_grad():
         for images, target in loader:
-            images = images.to(device, non_blocking=True, memory_format=memory_format(device))
+            images = images.to(device, non_blocking=True, memory_format=memory_format(device, args))
             target = target.to(device, non_blocking=True)
             with autocast(device, args):
                 output = model(images).float()  # loss and top-k from fp32 logits

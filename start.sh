@@ -2,10 +2,11 @@
 # Run every data-parallel method of the cookbook on the same recipe and compare them.
 #
 #   bash start.sh                         # every method this machine can run, demo data, 4 epochs
-#   bash start.sh --methods ddp,spawn     # a subset (dp ddp launch spawn amp horovod slurm fsdp)
+#   bash start.sh --methods ddp,spawn     # a subset (dp ddp launch spawn amp horovod slurm fsdp deepspeed)
 #   bash start.sh --data /data/imagenet --epochs 90 -- -a resnet50 -j 8   # args after -- go to every trainer
 #   bash start.sh --dummy                 # synthetic images
-#   bash start.sh --benchmark             # images/s of each method against a bare DDP loop
+#   bash start.sh --benchmark             # images/s of each method against a bare DDP loop and
+#                                         # against the ceiling: N replicas with no communication
 #   bash start.sh --dry-run               # print the commands only
 #
 # One process per GPU when GPUs are visible, else --nproc CPU processes (default 2). Each method
@@ -14,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
 PY=${PYTHON:-.venv/bin/python}
-ALL_METHODS=(dp ddp launch spawn amp horovod slurm fsdp)
+ALL_METHODS=(dp ddp launch spawn amp horovod slurm fsdp deepspeed)
 methods=$(IFS=,; echo "${ALL_METHODS[*]}")
 data="" dummy=0 epochs=4 nproc="" dry_run=0 benchmark=0 repeats=3 logs=logs
 extra=()
@@ -88,8 +89,9 @@ method_command() {
                  distributed.py) ;;
         spawn) cmd=("$PY" multiprocessing_distributed.py --nprocs "$nproc") ;;
         amp)
-            cmd=("$(dirname "$PY")/torchrun" --standalone --nproc-per-node="$nproc" apex_distributed.py)
-            (( gpus > 0 )) || cmd+=(--amp-dtype bfloat16) ;;  # fp16 autocast needs CUDA
+            # Its default: fp16 on GPUs; bf16 on CPUs that compute it natively, else float32 (emulated
+            # bf16 made a step 23x slower on an AVX2 CPU).
+            cmd=("$(dirname "$PY")/torchrun" --standalone --nproc-per-node="$nproc" apex_distributed.py) ;;
         horovod)
             if ! "$PY" -c 'import horovod.torch' 2>/dev/null; then
                 skip="Horovod not installed (bash scripts/install_horovod.sh)"
@@ -100,11 +102,19 @@ method_command() {
                 skip="no Slurm cluster up (bash scripts/slurm_cluster.sh start)"
             fi
             cmd=(srun -N1 -n"$nproc")
-            # With GPUs, ask Slurm for them: where it confines jobs to their GPUs, a job that asks
-            # for none sees none, and would train on the CPU.
-            if (( gpus > 0 )); then cmd+=(--gres=gpu:"$nproc"); fi
+            # With GPUs, ask Slurm for them where it manages them (gres): where it confines jobs to
+            # their GPUs, a job that asks for none sees none, and would train on the CPU.
+            if (( gpus > 0 )) && sinfo -h -o %G 2>/dev/null | grep -q gpu; then cmd+=(--gres=gpu:"$nproc"); fi
             cmd+=("$PY" distributed_slurm_main.py) ;;
         fsdp) cmd=("$(dirname "$PY")/torchrun" --standalone --nproc-per-node="$nproc" fsdp_distributed.py) ;;
+        deepspeed)
+            if ! "$PY" -c 'import deepspeed' &>/dev/null; then
+                skip="DeepSpeed not installed (bash scripts/install.sh --tests)"
+            fi
+            # DeepSpeed's own launcher (its default port is a fixed 29500). Without GPUs it still sets
+            # CUDA_VISIBLE_DEVICES=0..N-1 for its processes; the script then trains on the CPU.
+            cmd=("$(dirname "$PY")/deepspeed" --num_gpus "$nproc" --master_port "$(free_port)"
+                 deepspeed_distributed.py) ;;
     esac
     local script
     for script in "${cmd[@]}"; do
@@ -148,12 +158,17 @@ for m in ${methods//,/ }; do
 done
 failed=()
 if (( benchmark )); then
-    (( dry_run )) || : >"$logs/bare.log"
+    if (( ! dry_run )); then : >"$logs/bare.log"; : >"$logs/ceiling.log"; fi
     bare=("$(dirname "$PY")/torchrun" --standalone --nproc-per-node="$nproc" benchmarks/bare_ddp.py "${recipe[@]}")
-    # Alternate bare loop and methods, so a noisy machine slows both alike; statistics.sh takes medians.
+    # The same per-process work with no communication at all: the ceiling of any data-parallel method.
+    ceiling=("${bare[@]}" --no-communication)
+    # Alternate the yardsticks and the methods, so a noisy machine slows all alike; statistics.sh
+    # takes medians.
     for (( r = 1; r <= repeats; r++ )); do
         echo "== bare (run $r/$repeats): ${bare[*]}"
         (( dry_run )) || "${bare[@]}" >>"$logs/bare.log" 2>&1 || failed+=(bare)
+        echo "== ceiling (run $r/$repeats): ${ceiling[*]}"
+        (( dry_run )) || "${ceiling[@]}" >>"$logs/ceiling.log" 2>&1 || failed+=(ceiling)
         for m in "${runnable[@]}"; do run_method "$m"; done
     done
 else

@@ -6,8 +6,9 @@
 #   bash statistics.sh [LOGDIR]          # default: logs
 #
 # It reads the SUMMARY/DONE JSON lines the trainers print. Each run's first epoch is left out of
-# s/epoch and images/s when later epochs exist (it pays for start-up). Logs with a bare.log (from
-# start.sh --benchmark) get a column with each method's images/s over the bare DDP loop's.
+# s/epoch and images/s when later epochs exist (it pays for start-up). Logs with a bare.log and a
+# ceiling.log (from start.sh --benchmark) get columns with each method's images/s over the bare DDP
+# loop's and over the ceiling's (the same work on independent replicas, with no communication).
 # Missing, failed or unfinished runs are reported in a line below the table, never crash it.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
@@ -25,7 +26,7 @@ import statistics
 import sys
 
 logdir = sys.argv[1]
-ORDER = ["dp", "ddp", "launch", "spawn", "amp", "horovod", "slurm", "fsdp"]
+ORDER = ["dp", "ddp", "launch", "spawn", "amp", "horovod", "slurm", "fsdp", "deepspeed"]
 
 
 def read(path):
@@ -65,11 +66,11 @@ for path in sorted(glob.glob(os.path.join(logdir, "*.log"))):
     if not summaries:
         notes.append(f"{name}: no summary line ({errors[0] if errors else 'failed before its first epoch, or still running'})")
         continue
-    if name != "bare" and done is None:
+    if name not in ("bare", "ceiling") and done is None:
         notes.append(f"{name}: partial (no DONE line: failed or still running); its finished epochs are counted")
     runs[name] = {"summaries": summaries, "done": done}
 
-bare = runs.pop("bare", None)
+bare, ceiling = runs.pop("bare", None), runs.pop("ceiling", None)
 if not runs:
     print(f"statistics.sh: no usable logs in {logdir}/")
     for note in notes:
@@ -77,12 +78,15 @@ if not runs:
     sys.exit(1)
 
 bare_speed = median(bare["summaries"], "images_per_sec") if bare else None
+ceiling_speed = median(ceiling["summaries"], "images_per_sec") if ceiling else None
 dp_speed = median(runs["dp"]["summaries"], "images_per_sec") if "dp" in runs else None
 names = sorted(runs, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n))
 header = ["method", "launcher", "world size", "device", "epochs", "median s/epoch", "images/s",
           "speed-up over DP", "best top-1 %"]
 if bare_speed:
     header.append("x bare DDP loop")
+if ceiling_speed:
+    header.append("x ceiling")
 rows = []
 for name in names:
     summaries = runs[name]["summaries"]
@@ -96,12 +100,17 @@ for name in names:
            f"{speed / dp_speed:.2f}" if dp_speed else "-", f"{best:.1f}" if best is not None else "-"]
     if bare_speed:
         row.append(f"{speed / bare_speed:.3f}")
+    if ceiling_speed:
+        row.append(f"{speed / ceiling_speed:.3f}")
     rows.append(row)
 
 lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
 lines += ["| " + " | ".join(row) + " |" for row in rows]
 if bare_speed:
     lines.append(f"\nbare DDP loop: {bare_speed:.1f} images/s (median)")
+if ceiling_speed:
+    lines.append(f"ceiling, {ceiling['summaries'][-1]['world_size']} replicas with no communication: "
+                 f"{ceiling_speed:.1f} images/s (median)")
 lines += [f"- {note}" for note in notes]
 text = "\n".join(lines)
 print(text)

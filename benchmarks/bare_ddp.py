@@ -1,8 +1,11 @@
 #!/usr/bin/env python
-"""The yardstick for `bash start.sh --benchmark`: a bare, minimal DDP training loop, with nothing
-but what every method must do per step (load a batch, forward, backward with all-reduce, step).
+"""The yardsticks for `bash start.sh --benchmark`: a bare, minimal DDP training loop, with nothing
+but what every method must do per step (load a batch, forward, backward with all-reduce, step), and
+with --no-communication the same per-process work with no all-reduce at all: N independent
+replicas side by side, the ceiling for any data-parallel method on this machine.
 
     torchrun --standalone --nproc-per-node=2 benchmarks/bare_ddp.py --dummy --image-size 64 -b 32 --epochs 2
+    torchrun --standalone --nproc-per-node=2 benchmarks/bare_ddp.py --no-communication --dummy ...
 
 It takes the trainers' workload flags (the others are ignored) and prints, like them, one SUMMARY
 line per epoch with the epoch's training images/s, so statistics.sh can divide each method's
@@ -15,7 +18,9 @@ import time
 
 import torch
 import torch.distributed as dist
+import torchvision.datasets as datasets
 import torchvision.models as models
+import torchvision.transforms as transforms
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
@@ -28,6 +33,7 @@ def main():
     parser.add_argument("-b", "--batch-size", type=int, default=256, help="global batch")
     parser.add_argument("-j", "--workers", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--no-communication", action="store_true", help="independent replicas: no DDP")
     args, _ = parser.parse_known_args()
 
     accelerator = torch.accelerator.current_accelerator(check_available=True)
@@ -41,13 +47,14 @@ def main():
     dist.init_process_group(dist.get_default_backend_for_device(device))
     world, rank = dist.get_world_size(), dist.get_rank()
 
-    # The same bank of 64 random images the trainers' --dummy uses: memory stays bounded.
-    bank = torch.randn(64, 3, args.image_size, args.image_size, generator=torch.Generator().manual_seed(0))
-    data = [(bank[i % 64], i % 1000) for i in range(args.dummy_samples)]
+    # The synthetic images the trainers' --dummy reads.
+    data = datasets.FakeData(args.dummy_samples, (3, args.image_size, args.image_size), 1000, transforms.ToTensor())
     sampler = torch.utils.data.distributed.DistributedSampler(data, drop_last=True)
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size // world, sampler=sampler, drop_last=True,
                                          num_workers=args.workers, pin_memory=device.type != "cpu")
-    model = DDP(models.get_model(args.arch, num_classes=1000).to(device))
+    model = models.get_model(args.arch, num_classes=1000).to(device)
+    if not args.no_communication:
+        model = DDP(model)
     optimizer = torch.optim.SGD(model.parameters(), 0.1 * args.batch_size / 256, momentum=0.9, weight_decay=1e-4)
     criterion = torch.nn.CrossEntropyLoss()
     for epoch in range(args.epochs):
@@ -64,7 +71,8 @@ def main():
         if accelerator is not None:
             torch.accelerator.synchronize()
         if rank == 0:
-            print("SUMMARY " + json.dumps({"method": "bare", "launcher": "torchrun", "world_size": world,
+            method = "ceiling" if args.no_communication else "bare"
+            print("SUMMARY " + json.dumps({"method": method, "launcher": "torchrun", "world_size": world,
                                            "device": device.type, "epoch": epoch,
                                            "images_per_sec": round(images_seen / (time.perf_counter() - start), 1)}),
                   flush=True)

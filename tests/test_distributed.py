@@ -11,8 +11,9 @@ import torch
 import torch.nn as nn
 import torchvision
 
-from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, REPO, bad_inputs, fault_at, float64_weights,
-                      launch_command, load_state, make_data, max_abs_diff, resume_mid_epoch, run, stall_a_rank)
+from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, REPO, assert_same_checkpoints, bad_inputs, fault_at,
+                      float64_weights, launch_command, load_state, make_data, max_abs_diff, resume_mid_epoch, run,
+                      stall_a_rank)
 
 sys.path.insert(0, str(REPO))
 import distributed  # noqa: E402  (the script itself, for its pure helpers)
@@ -171,12 +172,7 @@ def test_resume_is_bitwise(tiny_data, tmp_path):
     r = run(args + ["--epochs", 2, "--output-dir", tmp_path / "split", "--resume", "auto"],
             launcher="torchrun", nproc=2).check()
     assert [s["epoch"] for s in r.summaries] == [1]
-    straight, split = load_state(tmp_path / "straight/checkpoint.pth"), load_state(tmp_path / "split/checkpoint.pth")
-    for key in straight["state_dict"]:
-        assert torch.equal(straight["state_dict"][key], split["state_dict"][key]), key
-    assert straight["scheduler"] == split["scheduler"]
-    for pid, state in straight["optimizer"]["state"].items():
-        assert torch.equal(state["momentum_buffer"], split["optimizer"]["state"][pid]["momentum_buffer"])
+    assert_same_checkpoints(tmp_path / "straight", tmp_path / "split")
 
 
 # Rewrites a checkpoint as a GPU run writes one: every storage recorded at cuda:0 (location tags

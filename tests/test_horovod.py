@@ -3,7 +3,6 @@
 Horovod is compiled against the installed torch by `bash scripts/install_horovod.sh`. Where it cannot be
 imported, the tests that need it skip; with CI=1 they fail instead, so CI never passes without Horovod.
 """
-import os
 import subprocess
 import sys
 
@@ -11,8 +10,8 @@ import pytest
 import torch
 import torchvision
 
-from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, PYTHON, REPO, float64_weights, load_state, max_abs_diff,
-                      resume_mid_epoch, run)
+from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, PYTHON, REPO, assert_same_checkpoints, float64_weights,
+                      load_state, max_abs_diff, require_engine, resume_mid_epoch, run)
 # The DDP reference: the same flags, and distributed.py's single-process weights after one epoch.
 
 SCRIPT = "horovod_distributed.py"
@@ -23,14 +22,7 @@ RESUME = ["-b", 32, "--warmup-epochs", 1, "--lr-step-size", 1, "--val-batch-size
 
 @pytest.fixture(scope="session")
 def horovod():
-    """Skips the test where horovod.torch cannot be imported, or fails it under CI=1."""
-    probe = subprocess.run([PYTHON, "-c", "import horovod.torch"], capture_output=True, text=True)
-    if probe.returncode:
-        reason = (f"horovod.torch cannot be imported ({(probe.stderr.strip().splitlines() or ['?'])[-1]}): "
-                  "bash scripts/install_horovod.sh")
-        if os.environ.get("CI", "") not in ("", "0", "false"):
-            pytest.fail(reason, pytrace=False)
-        pytest.skip(reason)
+    require_engine("horovod.torch", "bash scripts/install_horovod.sh")
 
 
 def hvd_run(args, nproc, launcher="horovodrun", env=None):
@@ -71,25 +63,16 @@ def test_resume_is_bitwise(two_epochs, tiny_data, tmp_path):
     hvd_run(run_args + ["--epochs", 1], nproc=2).check()
     r = hvd_run(run_args + ["--epochs", 2, "--resume", "auto"], nproc=2).check()
     assert [s["epoch"] for s in r.summaries] == [1]
-    straight, split = load_state(two_epochs[1] / "checkpoint.pth"), load_state(tmp_path / "checkpoint.pth")
-    for key, value in straight["state_dict"].items():
-        assert torch.equal(value, split["state_dict"][key]), key
-    assert straight["scheduler"] == split["scheduler"]
-    for pid, state in straight["optimizer"]["state"].items():
-        assert torch.equal(state["momentum_buffer"], split["optimizer"]["state"][pid]["momentum_buffer"])
+    assert_same_checkpoints(two_epochs[1], tmp_path)
 
 
-@pytest.mark.parametrize("nproc,extra,tolerance", [
-    (1, [], 0.0),  # one rank: plain SGD, bitwise the DDP reference's single process
-    (2, [], EQUIV_TOLERANCE),  # two ranks x 16 images, gradients averaged by hvd.DistributedOptimizer
-    (2, ["--batches-per-allreduce", 2], EQUIV_TOLERANCE),  # two ranks x 2 micro-batches x 8 images
-], ids=["1rank", "2ranks", "2ranks-accum2"])
-def test_training_equals_single_process_reference(horovod, tmp_path, single_process_weights, nproc, extra, tolerance):
-    r = hvd_run(["--output-dir", tmp_path] + EQUIV + extra, nproc=nproc, env=FLOAT64).check()
-    assert r.done["ranks_identical"]
-    if extra:
-        assert "(8 per process x 2 micro-batches)" in r.stdout
-    assert max_abs_diff(float64_weights(tmp_path), single_process_weights) <= tolerance
+def test_training_equals_single_process_reference(horovod, tmp_path, single_process_weights):
+    """Two ranks x 2 micro-batches x 8 images: hvd.DistributedOptimizer averages the gradients over the
+    ranks once per step, after the last micro-batch (a sum for a mean, or an all-reduce of the first
+    micro-batch only, would move the weights by far more than EQUIV_TOLERANCE)."""
+    r = hvd_run(["--output-dir", tmp_path, "--batches-per-allreduce", 2] + EQUIV, nproc=2, env=FLOAT64).check()
+    assert r.done["ranks_identical"] and "(8 per process x 2 micro-batches)" in r.stdout
+    assert max_abs_diff(float64_weights(tmp_path), single_process_weights) <= EQUIV_TOLERANCE
 
 
 def test_mid_epoch_resume_equals_single_process_reference(horovod, tmp_path, single_process_weights):
@@ -110,14 +93,14 @@ def test_fp16_allreduce_compresses_gradients(horovod, tmp_path, single_process_w
 def test_exact_evaluation_at_any_world_size(two_epochs, tiny_data):
     ckpt = two_epochs[1] / "checkpoint.pth"
     results = {}
-    for nproc in (1, 2, 3):  # one rank: no launcher at all, hvd.init() alone
+    for nproc in (1, 3):  # one rank: no launcher at all, hvd.init() alone
         # 5 val batches of 8 (the last of 5) dealt over the ranks: every rank evaluates some.
         r = hvd_run(["--data", tiny_data, "-e", "--resume", ckpt, "--val-batch-size", 8] + FAST, nproc=nproc,
                     launcher="python" if nproc == 1 else "horovodrun").check()
         (s,) = r.summaries
         results[nproc] = (s["val_count"], s["val_loss"], s["val_acc1"], s["val_acc5"])
     assert results[1][0] == 37, "every val image must be counted exactly once"
-    assert results[1] == results[2] == results[3]
+    assert results[1] == results[3]
 
 
 @pytest.mark.parametrize("case", ["before hvd.init()", "rank 0 only"])

@@ -1,4 +1,5 @@
 """statistics.sh on fixture logs, and start.sh's command lines (--dry-run)."""
+import re
 import shutil
 import subprocess
 
@@ -15,10 +16,15 @@ def test_statistics_table_from_fixture_logs(tmp_path):
     assert r.returncode == 0, r.stderr
     rows = {line.split(" | ")[0].strip("| "): line.strip("| ").split(" | ") for line in r.stdout.splitlines()
             if line.startswith("| ") and not line.startswith("| method")}
-    # Medians leave each run's first epoch out: dp (20, 22) s and (70, 66) img/s; ddp (15, 14) s and (140, 150).
-    assert rows["dp"] == ["dp", "none", "1", "cpu", "3", "21.0", "68.0", "1.00", "90.5", "0.425"]
-    assert rows["ddp"] == ["ddp", "torchrun", "2", "cpu", "3", "14.5", "145.0", "2.13", "96.1", "0.906"]
+    # Medians leave each run's first epoch out: dp (20, 22) s and (70, 66) img/s; ddp (15, 14) s and (140, 150);
+    # the bare loop 160 img/s, the ceiling 200.
+    assert rows["dp"] == ["dp", "none", "1", "cpu", "3", "21.0", "68.0", "1.00", "90.5", "0.425", "0.340"]
+    assert rows["ddp"] == ["ddp", "torchrun", "2", "cpu", "3", "14.5", "145.0", "2.13", "96.1", "0.906", "0.725"]
     assert rows["amp"][4:7] == ["1", "30.0", "55.0"], "a lone first epoch is all there is to count"
+    # DeepSpeed's launcher prints its own lines among the trainer's.
+    assert rows["deepspeed"] == ["deepspeed", "deepspeed", "2", "cpu", "2", "20.0", "96.0", "1.41", "93.5", "0.600",
+                                 "0.480"]
+    assert "ceiling, 2 replicas with no communication: 200.0 images/s (median)" in r.stdout
     assert "horovod" not in rows
     assert "amp: partial (no DONE line" in r.stdout
     assert "horovod: no summary line (error: global batch -b 1 must be a multiple" in r.stdout  # under horovodrun's prefix
@@ -34,9 +40,13 @@ def test_statistics_reports_missing_logs(tmp_path):
 def test_start_dry_run_names_every_method(tmp_path):
     r = bash("start.sh", "--dry-run", "--logs", tmp_path, "--epochs", 3)
     assert r.returncode == 0, r.stderr
-    for method in ("dp", "ddp", "launch", "spawn", "amp", "horovod", "slurm", "fsdp"):
+    for method in ("dp", "ddp", "launch", "spawn", "amp", "horovod", "slurm", "fsdp", "deepspeed"):
         assert f"== {method}: " in r.stdout, method
     assert "torch.distributed.launch --nproc_per_node=2" in r.stdout
+    assert re.search(r"== deepspeed: \S*/deepspeed --num_gpus 2 --master_port \d+ deepspeed_distributed.py ", r.stdout)
     assert "--epochs 3" in r.stdout and "--data data/digits" in r.stdout
     r = bash("start.sh", "--methods", "ddp,nope", "--dry-run")
     assert r.returncode == 2 and "unknown method 'nope'" in r.stderr
+    r = bash("start.sh", "--dry-run", "--benchmark", "--repeats", 1, "--methods", "ddp", "--logs", tmp_path)
+    assert re.search(r"== ceiling \(run 1/1\): \S*/torchrun .* benchmarks/bare_ddp.py .* --no-communication", r.stdout)
+    assert not list(tmp_path.glob("*.log")), "a dry run writes no logs"
