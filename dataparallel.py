@@ -627,9 +627,9 @@ def to_cpu(state):
 def save_checkpoint(state, is_best, output_dir):
     """Write checkpoint.pth atomically (temp file in the same directory, fsync, os.replace): a crash
     mid-write leaves the previous checkpoint intact, never a truncated one."""
-    path = os.path.join(output_dir, "checkpoint.pth")
-    fd, tmp = tempfile.mkstemp(dir=output_dir, prefix=".checkpoint.", suffix=".tmp")
+    path, tmp = os.path.join(output_dir, "checkpoint.pth"), None
     try:
+        fd, tmp = tempfile.mkstemp(dir=output_dir, prefix=".checkpoint.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             torch.save(to_cpu(state), f)
             f.flush()
@@ -640,9 +640,14 @@ def save_checkpoint(state, is_best, output_dir):
             os.close(fd)
             shutil.copyfile(path, tmp)
             os.replace(tmp, os.path.join(output_dir, "model_best.pth"))
-    except BaseException:
-        if os.path.exists(tmp):
+    except BaseException as e:
+        if tmp and os.path.exists(tmp):
             os.remove(tmp)
+        # A full disk: torch.save raises its own RuntimeError while handling the OSError.
+        cause = next((c for c in (e, e.__context__) if isinstance(c, OSError)), None)
+        if cause:
+            raise LocalError(f"cannot write a checkpoint in '{output_dir}': {cause.strerror or cause} (free "
+                             "space there or pass another --output-dir; checkpoints already there are intact)") from None
         raise
 
 
