@@ -86,10 +86,11 @@ def environment(env=None):
                                               **(env or {})).items() if value is not None}
 
 
-def run(args, launcher="python", nproc=1, script="distributed.py", env=None, timeout=300):
+def run(args, launcher="python", nproc=1, script="distributed.py", env=None, timeout=300, preexec_fn=None):
     """Run a trainer to completion and parse its machine-readable lines."""
     proc = subprocess.run(launch_command(script, launcher, nproc) + [str(a) for a in args], cwd=REPO,
-                          env=environment(env), capture_output=True, text=True, timeout=timeout)
+                          env=environment(env), capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=preexec_fn)
     if launcher == "horovodrun":  # it starts each line of rank N's output with "[N]<stdout>:" or "[N]<stderr>:"
         proc.stdout, proc.stderr = (re.sub(r"(?m)^\[\d+\]<std(?:out|err)>:", "", s) for s in (proc.stdout, proc.stderr))
     return Result.parse(proc.returncode, proc.stdout, proc.stderr)

@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 import torchvision
 
-from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, REPO, assert_same_checkpoints, bad_inputs, environment,
-                      fault_at, float64_weights, launch_command, load_state, make_data, max_abs_diff, resume_mid_epoch, run,
+from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, REPO, assert_same_checkpoints, bad_inputs, fault_at,
+                      float64_weights, launch_command, load_state, make_data, max_abs_diff, resume_mid_epoch, run,
                       stall_a_rank)
 
 sys.path.insert(0, str(REPO))
@@ -371,13 +371,10 @@ def test_a_full_disk_at_save_is_one_line_and_keeps_the_last_checkpoint(tiny_data
     out = tmp_path / "out"
     out.mkdir()
     shutil.copyfile(checkpoint, out / "checkpoint.pth")
-    command = launch_command("distributed.py", "python", 1) + [str(a) for a in ["--data", tiny_data, "-b", 32,
-                                                                            "--epochs", 2, "--resume", "auto",
-                                                                            "--output-dir", out] + FAST]
-    proc = subprocess.run(command, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=300,
-                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20)))
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    r = run(["--data", tiny_data, "-b", 32, "--epochs", 2, "--resume", "auto", "--output-dir", out] + FAST,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20)))
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
     assert f"cannot write a checkpoint in '{out}': File too large" in errors[0]
     assert (out / "checkpoint.pth").read_bytes() == checkpoint.read_bytes()
     assert not list(out.glob(".*.tmp"))
