@@ -208,7 +208,7 @@ def main_worker(args):
             save_checkpoint({"epoch": epoch, "step": step, "arch": args.arch, "state_dict": model.state_dict(),
                              "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                              "best_acc1": best_acc1, "world_size": world_size, "rng": rngs, "args": vars(args)},
-                            is_best, args.output_dir)
+                            is_best, args)
 
     for epoch in range(start_epoch, args.epochs):
         # set_epoch reshuffles: without it every epoch would visit the data in the same order. After
@@ -387,6 +387,8 @@ def training_arguments(description):
     add("--output-dir", default="checkpoints", help="where checkpoints are written")
     add("--save-every", type=number(int, 0), default=0, metavar="N",
         help="also checkpoint every N steps (0: at epoch ends only); resumed, it skips the batches trained on")
+    add("--keep-checkpoints", type=number(int, 1), default=2, metavar="K",
+        help="keep the newest K checkpoints: --resume auto falls back to an older one if the newest is damaged")
     add("--resume", default="", metavar="PATH", help="checkpoint to resume from; 'auto': --output-dir's, if any")
     add("-e", "--evaluate", action="store_true", help="evaluate the model on val and exit")
     add("--seed", type=number(int, 0), help="seed everything, deterministic kernels (bitwise-reproducible on CPU)")
@@ -428,6 +430,8 @@ def ignore_stop_signals(worker_id):
     which would die of it (torch's handler) before their trainer has stopped."""
     for signum in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, signal.SIG_IGN)
+    for lock in OUTPUT_LOCK:  # a forked worker's copy: the lock must go when the trainer dies, not with its workers
+        lock.close()
 
 
 def diverged(what, epoch, step, lr):
@@ -472,14 +476,31 @@ def check_batch(args, world_size, replicas=1, sync_bn=False):
                          "or pass --norm group (or --sync-bn on GPUs)")
 
 
+OUTPUT_LOCK = []  # rank 0's open lock file of --output-dir, held for the whole run
+
+
 def check_output_dir(args):
-    """Rank 0 writes the checkpoints: it finds out now, not after an epoch, if it cannot."""
+    """Rank 0 writes the checkpoints: it finds out now, before the rendezvous (the launcher then stops
+    the other ranks), not after an epoch, if it cannot, if another run is writing there, or if this
+    run, not resuming, would write over another run's checkpoints."""
     if RANK == 0 and not args.evaluate:
         try:
             os.makedirs(args.output_dir, exist_ok=True)
             tempfile.TemporaryFile(dir=args.output_dir).close()
+            OUTPUT_LOCK.append(open(os.path.join(args.output_dir, ".lock"), "a"))
+            # flock: the kernel drops it when the process ends, however it ends (crash, SIGKILL, a
+            # torchrun restart), so no stale lock outlives a run, unlike a lock file's mere presence.
+            fcntl.flock(OUTPUT_LOCK[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(f"another run is writing checkpoints in --output-dir '{args.output_dir}' (it holds "
+                             "its .lock): wait for it to end, or pass another --output-dir") from None
         except OSError as e:
             raise UsageError(f"cannot write checkpoints to --output-dir '{args.output_dir}': {e.strerror}") from None
+        used = sorted(name for name in os.listdir(args.output_dir) if name in ("checkpoint.pth", "model_best.pth")
+                      or name.startswith(CHECKPOINT_PREFIXES))
+        if used and not args.resume:
+            raise UsageError(f"--output-dir '{args.output_dir}' holds another run's checkpoints ({used[0]}): "
+                             "pass --resume auto to continue that run, or another --output-dir for a new one")
 
 
 def load_image(path):
@@ -665,10 +686,70 @@ def to_cpu(state):
     return state
 
 
-def save_checkpoint(state, is_best, output_dir):
-    """Write checkpoint.pth atomically (temp file in the same directory, fsync, os.replace): a crash
-    mid-write leaves the previous checkpoint intact, never a truncated one."""
-    path, tmp = os.path.join(output_dir, "checkpoint.pth"), None
+# Checkpoints named <prefix>N at the end of epoch N-1, <prefix>N-stepS within epoch N: single files
+# (+ .pth), FSDP's sharded directories, DeepSpeed's engine directories.
+CHECKPOINT_PREFIXES = ("checkpoint-epoch", "dcp-epoch", "ds-epoch")
+
+
+def checkpoint_paths(output_dir, prefix):
+    """output_dir's checkpoints named prefix..., newest (epoch, step) first."""
+    positions = {}
+    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        epoch, dash, step = name[len(prefix):].removesuffix(".pth").partition("-step")
+        if name.startswith(prefix) and epoch.isdigit() and (step.isdigit() or not dash):
+            positions[os.path.join(output_dir, name)] = int(epoch), int(step or 0)
+    return sorted(positions, key=positions.get, reverse=True)
+
+
+def digest(path):
+    """SHA-256 of a checkpoint: of its file, or of a directory's file names and contents."""
+    total = hashlib.sha256()
+    files = [path] if os.path.isfile(path) else sorted(os.path.join(top, name) for top, _, names in os.walk(path)
+                                                       for name in names)
+    for file in files:
+        with open(file, "rb") as f:
+            total.update(os.path.relpath(file, path).encode() + hashlib.file_digest(f, "sha256").digest())
+    return total.hexdigest()
+
+
+def seal(path, keep):
+    """Rank 0, once checkpoint `path` is complete: its digest into path.sha256 (atomically), then all
+    but the newest `keep` checkpoints of its kind removed, so disk use stays bounded."""
+    with open(path + ".sha256.tmp", "w") as f:
+        f.write(digest(path))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".sha256.tmp", path + ".sha256")
+    directory, name = os.path.split(path)
+    for old in checkpoint_paths(directory, name[:name.index("epoch") + 5])[keep:]:
+        if os.path.isdir(old):
+            shutil.rmtree(old)
+        else:
+            os.remove(old)
+        if os.path.exists(old + ".sha256"):
+            os.remove(old + ".sha256")
+
+
+def intact(paths):
+    """paths, less those whose files differ from the digest written beside them, each left out with one
+    line. torch.load finds a cut-short file, not a flipped bit: its zip reader checks no CRC (tested)."""
+    for path in paths:
+        if os.path.isfile(path + ".sha256"):
+            with open(path + ".sha256") as f:
+                if f.read().strip() != digest(path):
+                    log(f"=> checkpoint '{path}' is damaged (its SHA-256 differs from the one written with it "
+                        "in .sha256): skipping it")
+                    continue
+        yield path
+
+
+def save_checkpoint(state, is_best, args):
+    """Write checkpoint-epochN[-stepS].pth atomically (temp file in the same directory, fsync,
+    os.replace): a crash mid-write leaves the previous checkpoints intact, never a truncated one. Then
+    seal it, and point checkpoint.pth at it: the newest, under a name that stays."""
+    output_dir, tmp = args.output_dir, None
+    name = f"checkpoint-epoch{state['epoch']}" + (f"-step{state['step']}" if state.get("step") else "") + ".pth"
+    path = os.path.join(output_dir, name)
     try:
         fd, tmp = tempfile.mkstemp(dir=output_dir, prefix=".checkpoint.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
@@ -676,14 +757,23 @@ def save_checkpoint(state, is_best, output_dir):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        seal(path, args.keep_checkpoints)
+        for suffix in ("", ".sha256"):  # a hard link, no copy (a copy where the file system has none)
+            tmp = os.path.join(output_dir, f".checkpoint.{os.getpid()}.link")
+            try:
+                os.link(path + suffix, tmp)
+            except OSError:
+                shutil.copyfile(path + suffix, tmp)
+            os.replace(tmp, os.path.join(output_dir, "checkpoint.pth" + suffix))
         if is_best:
             fd, tmp = tempfile.mkstemp(dir=output_dir, prefix=".model_best.", suffix=".tmp")
             os.close(fd)
             shutil.copyfile(path, tmp)
             os.replace(tmp, os.path.join(output_dir, "model_best.pth"))
     except BaseException as e:
-        if tmp and os.path.exists(tmp):
-            os.remove(tmp)
+        for leftover in (tmp, path + ".sha256.tmp"):
+            if leftover and os.path.exists(leftover):
+                os.remove(leftover)
         # A full disk: torch.save raises its own RuntimeError while handling the OSError.
         cause = next((c for c in (e, e.__context__) if isinstance(c, OSError)), None)
         if cause:
@@ -695,23 +785,34 @@ def save_checkpoint(state, is_best, output_dir):
 def load_checkpoint(args, model):
     """Load --resume's checkpoint into the model and return it; None to start fresh ('auto' without one).
 
+    'auto' takes --output-dir's newest checkpoint that is intact and loads, saying which it skipped.
     weights_only=True never runs pickled code. It is loaded onto the CPU, whatever device wrote it:
     load_state_dict copies the weights to the model's device, and RNG states stay CPU tensors.
     """
-    path = os.path.join(args.output_dir, "checkpoint.pth") if args.resume == "auto" else args.resume
-    if args.resume == "auto" and not os.path.isfile(path):
-        log(f"=> --resume auto: no checkpoint in '{args.output_dir}', starting fresh")
+    if not args.resume:
         return None
-    if not path:
-        return None
-    if not os.path.isfile(path):
-        raise UsageError(f"no checkpoint at '{path}': pass an existing file to --resume (or --resume auto)")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"cannot load checkpoint '{path}' (truncated, corrupt or not a plain-tensor "
-                         f"checkpoint): {reason}") from None
+    paths = [args.resume]
+    if args.resume == "auto":  # (checkpoint.pth alone: written before checkpoints were kept by name)
+        paths = checkpoint_paths(args.output_dir, "checkpoint-epoch") or [
+            path for path in [os.path.join(args.output_dir, "checkpoint.pth")] if os.path.isfile(path)]
+        if not paths:
+            log(f"=> --resume auto: no checkpoint in '{args.output_dir}', starting fresh")
+            return None
+    elif not os.path.isfile(args.resume):
+        raise UsageError(f"no checkpoint at '{args.resume}': pass an existing file to --resume (or --resume auto)")
+    error = UsageError(f"checkpoint '{paths[0]}' is damaged: pass another to --resume")
+    for path in intact(paths):
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+            break
+        except Exception as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            error = UsageError(f"cannot load checkpoint '{path}' (truncated, corrupt or not a plain-tensor "
+                               f"checkpoint): {reason}")
+            if path != paths[-1]:
+                log(f"=> {error}: skipping it")
+    else:
+        raise error
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise UsageError(f"'{path}' is not a checkpoint written by this cookbook (no state_dict)")
     check_resumable(checkpoint, path, args)
