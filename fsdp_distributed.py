@@ -71,7 +71,8 @@ def argument_parser():
 def setup_distributed(args):
     """Check the launch, pick this process's device and join the process group: (rank, world size, device).
 
-    Every check runs before the rendezvous, so a bad flag fails all ranks alike and at once.
+    Every flag check runs before the rendezvous, so a bad flag fails all ranks alike and at once; the
+    output directory's runs on rank 0 right after it, and every rank stops on its verdict.
     """
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -84,7 +85,6 @@ def setup_distributed(args):
     if ("bfloat16" in (args.param_dtype, args.reduce_dtype) and device.type == "cuda"
             and not torch.cuda.is_bf16_supported(including_emulation=False)):
         raise UsageError("--param-dtype/--reduce-dtype bfloat16 needs an Ampere or newer GPU: leave it out or use float32")
-    check_output_dir(args)
     if world_size > 1:
         try:
             # nccl on GPUs, gloo on the CPU; device_id binds the group to this GPU (none on the CPU).
@@ -100,6 +100,7 @@ def setup_distributed(args):
         # in-memory store, so a plain `python fsdp_distributed.py` needs no launcher or port.
         dist.init_process_group(dist.get_default_backend_for_device(device), store=dist.HashStore(), rank=0,
                                 world_size=1, device_id=None if device.type == "cpu" else device)
+    check_output_dir(args)  # collective: after the processes have joined
     return RANK, world_size, device
 
 
@@ -703,27 +704,40 @@ OUTPUT_LOCK = []  # rank 0's open lock file of --output-dir, held for the whole 
 
 
 def check_output_dir(args):
-    """Rank 0 writes the checkpoints: it finds out now, before the rendezvous (the launcher then stops
-    the other ranks), not after an epoch, if it cannot, if another run is writing there, or if this
-    run, not resuming, would write over another run's checkpoints."""
+    """Rank 0 writes the checkpoints: it finds out now, not after an epoch, if it cannot, if another run
+    is writing there, or if this run, not resuming, would write over another run's checkpoints.
+    Collective, once the processes have joined: every rank stops on rank 0's verdict, with one line
+    (a rank 0 that stopped alone before the rendezvous would leave the others waiting in it)."""
+    problem = ""  # a str on every rank: Horovod names an object collective by its type
     if RANK == 0 and not args.evaluate:
         try:
-            os.makedirs(args.output_dir, exist_ok=True)
-            tempfile.TemporaryFile(dir=args.output_dir).close()
-            OUTPUT_LOCK.append(open(os.path.join(args.output_dir, ".lock"), "a"))
-            # flock: the kernel drops it when the process ends, however it ends (crash, SIGKILL, a
-            # torchrun restart), so no stale lock outlives a run, unlike a lock file's mere presence.
-            fcntl.flock(OUTPUT_LOCK[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise UsageError(f"another run is writing checkpoints in --output-dir '{args.output_dir}' (it holds "
-                             "its .lock): wait for it to end, or pass another --output-dir") from None
-        except OSError as e:
-            raise UsageError(f"cannot write checkpoints to --output-dir '{args.output_dir}': {e.strerror}") from None
-        used = sorted(name for name in os.listdir(args.output_dir) if name in ("checkpoint.pth", "model_best.pth")
-                      or name.startswith(CHECKPOINT_PREFIXES))
-        if used and not args.resume:
-            raise UsageError(f"--output-dir '{args.output_dir}' holds another run's checkpoints ({used[0]}): "
-                             "pass --resume auto to continue that run, or another --output-dir for a new one")
+            claim_output_dir(args)
+        except UsageError as e:
+            problem = str(e)
+    problem = all_gather_objects(problem)[0]
+    if problem:
+        raise UsageError(problem)
+
+
+def claim_output_dir(args):
+    """check_output_dir's checks, on rank 0, which then holds --output-dir's lock for the whole run."""
+    try:
+        os.makedirs(args.output_dir, exist_ok=True)
+        tempfile.TemporaryFile(dir=args.output_dir).close()
+        OUTPUT_LOCK.append(open(os.path.join(args.output_dir, ".lock"), "a"))
+        # flock: the kernel drops it when the process ends, however it ends (crash, SIGKILL, a
+        # torchrun restart), so no stale lock outlives a run, unlike a lock file's mere presence.
+        fcntl.flock(OUTPUT_LOCK[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise UsageError(f"another run is writing checkpoints in --output-dir '{args.output_dir}' (it holds "
+                         "its .lock): wait for it to end, or pass another --output-dir") from None
+    except OSError as e:
+        raise UsageError(f"cannot write checkpoints to --output-dir '{args.output_dir}': {e.strerror}") from None
+    used = sorted(name for name in os.listdir(args.output_dir) if name in ("checkpoint.pth", "model_best.pth")
+                  or name.startswith(CHECKPOINT_PREFIXES))
+    if used and not args.resume:
+        raise UsageError(f"--output-dir '{args.output_dir}' holds another run's checkpoints ({used[0]}): "
+                         "pass --resume auto to continue that run, or another --output-dir for a new one")
 
 
 def load_image(path):

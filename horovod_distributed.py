@@ -69,17 +69,7 @@ def setup_distributed(args):
     if args.sync_bn and device.type != "cuda":
         raise UsageError("--sync-bn needs CUDA: SyncBatchNorm works only with CUDA modules (drop --sync-bn on CPU)")
     check_batch(args, world_size, sync_bn=args.sync_bn and world_size > 1)  # one process: plain BatchNorm
-    try:
-        check_output_dir(args)
-        problem = None
-    except UsageError as e:
-        problem = str(e)
-    # Only rank 0 writes, so only rank 0 checks; every rank stops on its verdict, because a rank
-    # left running would die with a traceback in its next collective once rank 0 has exited. The
-    # name is explicit: Horovod's default, the object's type, differs between str and None.
-    problem = hvd.broadcast_object(problem, root_rank=0, name="output_dir_check")
-    if problem:
-        raise UsageError(problem)
+    check_output_dir(args)  # collective: after the processes have joined
     return RANK, world_size, device
 
 
@@ -480,27 +470,40 @@ OUTPUT_LOCK = []  # rank 0's open lock file of --output-dir, held for the whole 
 
 
 def check_output_dir(args):
-    """Rank 0 writes the checkpoints: it finds out now, before the rendezvous (the launcher then stops
-    the other ranks), not after an epoch, if it cannot, if another run is writing there, or if this
-    run, not resuming, would write over another run's checkpoints."""
+    """Rank 0 writes the checkpoints: it finds out now, not after an epoch, if it cannot, if another run
+    is writing there, or if this run, not resuming, would write over another run's checkpoints.
+    Collective, once the processes have joined: every rank stops on rank 0's verdict, with one line
+    (a rank 0 that stopped alone before the rendezvous would leave the others waiting in it)."""
+    problem = ""  # a str on every rank: Horovod names an object collective by its type
     if RANK == 0 and not args.evaluate:
         try:
-            os.makedirs(args.output_dir, exist_ok=True)
-            tempfile.TemporaryFile(dir=args.output_dir).close()
-            OUTPUT_LOCK.append(open(os.path.join(args.output_dir, ".lock"), "a"))
-            # flock: the kernel drops it when the process ends, however it ends (crash, SIGKILL, a
-            # torchrun restart), so no stale lock outlives a run, unlike a lock file's mere presence.
-            fcntl.flock(OUTPUT_LOCK[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise UsageError(f"another run is writing checkpoints in --output-dir '{args.output_dir}' (it holds "
-                             "its .lock): wait for it to end, or pass another --output-dir") from None
-        except OSError as e:
-            raise UsageError(f"cannot write checkpoints to --output-dir '{args.output_dir}': {e.strerror}") from None
-        used = sorted(name for name in os.listdir(args.output_dir) if name in ("checkpoint.pth", "model_best.pth")
-                      or name.startswith(CHECKPOINT_PREFIXES))
-        if used and not args.resume:
-            raise UsageError(f"--output-dir '{args.output_dir}' holds another run's checkpoints ({used[0]}): "
-                             "pass --resume auto to continue that run, or another --output-dir for a new one")
+            claim_output_dir(args)
+        except UsageError as e:
+            problem = str(e)
+    problem = all_gather_objects(problem)[0]
+    if problem:
+        raise UsageError(problem)
+
+
+def claim_output_dir(args):
+    """check_output_dir's checks, on rank 0, which then holds --output-dir's lock for the whole run."""
+    try:
+        os.makedirs(args.output_dir, exist_ok=True)
+        tempfile.TemporaryFile(dir=args.output_dir).close()
+        OUTPUT_LOCK.append(open(os.path.join(args.output_dir, ".lock"), "a"))
+        # flock: the kernel drops it when the process ends, however it ends (crash, SIGKILL, a
+        # torchrun restart), so no stale lock outlives a run, unlike a lock file's mere presence.
+        fcntl.flock(OUTPUT_LOCK[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise UsageError(f"another run is writing checkpoints in --output-dir '{args.output_dir}' (it holds "
+                         "its .lock): wait for it to end, or pass another --output-dir") from None
+    except OSError as e:
+        raise UsageError(f"cannot write checkpoints to --output-dir '{args.output_dir}': {e.strerror}") from None
+    used = sorted(name for name in os.listdir(args.output_dir) if name in ("checkpoint.pth", "model_best.pth")
+                  or name.startswith(CHECKPOINT_PREFIXES))
+    if used and not args.resume:
+        raise UsageError(f"--output-dir '{args.output_dir}' holds another run's checkpoints ({used[0]}): "
+                         "pass --resume auto to continue that run, or another --output-dir for a new one")
 
 
 def load_image(path):

@@ -173,17 +173,27 @@ def signal_at(step):
     return {"PYTHONPATH": str(REPO / "tests" / "hooks"), "COOKBOOK_SIGNAL_STEP": str(step)}
 
 
-def resume_mid_epoch(out, interrupted, resumed):
+def resume_mid_epoch(out, interrupted, resumed, damaged=None):
     """EQUIV in float64, stopped by SIGTERM in its 2nd step of 3, with progress (so the ranks' check
     for a stop) after every step: it must stop right after that step, write a checkpoint of it and
     exit with 143 (torchrun and horovodrun report their own failure). Then resumed from --output-dir
     out. interrupted(args, env) and resumed(args, env) run the trainer under test; returns the
-    resumed run, which must have started at step 2 of epoch 0."""
-    r = interrupted(["--output-dir", out] + EQUIV + ["-p", 1], {**FLOAT64, **signal_at(2)})
+    resumed run, which must have started at step 2 of epoch 0.
+
+    damaged: the name of the checkpoint of step 2 in out. The run then also checkpoints step 1
+    (--save-every 1), and that of step 2 is cut short (a directory's largest file) before the resume,
+    which must say so in one line and start at step 1."""
+    save_every = ["--save-every", 1] if damaged else []
+    r = interrupted(["--output-dir", out] + EQUIV + ["-p", 1] + save_every, {**FLOAT64, **signal_at(2)})
     assert r.returncode != 0 and "=> stopped on a signal after step 2 of epoch 0" in r.stdout, r.stdout + r.stderr
     assert "Epoch: [0][3/3]" not in r.stdout
+    if damaged:
+        newest = Path(out) / damaged
+        victim = newest if newest.is_file() else max(newest.iterdir(), key=lambda p: p.stat().st_size)
+        victim.write_bytes(victim.read_bytes()[:1000])
     r = resumed(["--output-dir", out, "--resume", "auto"] + EQUIV, FLOAT64).check()
-    assert "(epoch 0, step 2)" in r.stdout and "Epoch: [0][3/3]" in r.stdout, r.stdout
+    assert f"(epoch 0, step {1 if damaged else 2})" in r.stdout and "Epoch: [0][3/3]" in r.stdout, r.stdout
+    assert not damaged or f"=> checkpoint '{newest}' is damaged" in r.stdout, r.stdout
     return r
 
 

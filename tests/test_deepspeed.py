@@ -123,11 +123,13 @@ def test_deepspeed_launcher_runs_zero3_on_the_cpu(straight):
 
 
 def test_checkpoint_layout(straight):
-    """The newest DeepSpeed checkpoint only (ZeRO 3: each rank's weights and optimizer state), `latest`
-    naming it, DeepSpeed's own recovery scripts, and the single-file export with its best copy."""
+    """The newest 2 DeepSpeed checkpoints (ZeRO 3: each rank's weights and optimizer state), `latest`
+    naming the newest, DeepSpeed's own recovery scripts, and the single-file exports with their best copy."""
     out = straight[1]
-    assert {p.name for p in out.iterdir()} == {"ds-epoch2", "latest", "checkpoint.pth", "model_best.pth",
-                                               "zero_to_fp32.py", "zero_to_torch.py"}
+    assert {p.name for p in out.iterdir()} == {".lock", "latest", "model_best.pth", "zero_to_fp32.py",
+                                               "zero_to_torch.py"} | {
+        name + suffix for name in ("ds-epoch1", "ds-epoch2", "checkpoint.pth", "checkpoint-epoch1.pth",
+                                   "checkpoint-epoch2.pth") for suffix in ("", ".sha256")}
     assert (out / "latest").read_text() == "ds-epoch2"
     assert {p.name for p in (out / "ds-epoch2").iterdir()} == {
         f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt" for rank in (0, 1) for kind in ("model", "optim")}
@@ -171,20 +173,22 @@ def test_zero_trains_ddps_weights(deepspeed_installed, ddp_weights, tmp_path, st
 
 # ---- mid-epoch resume ----
 
-def interrupted(out, stage, launch=ds):
+def interrupted(out, stage, launch=ds, extra=()):
     """EQUIV on 2 processes, stopped by SIGTERM in its 2nd step of 3 (progress after every step, where the
     ranks check for a stop): it must checkpoint that step and exit with 143 (the launchers report failure)."""
-    r = launch(["--output-dir", out, "--zero-stage", stage] + EQUIV + ["-p", 1], env=signal_at(2))
+    r = launch(["--output-dir", out, "--zero-stage", stage] + EQUIV + ["-p", 1, *extra], env=signal_at(2))
     assert r.returncode != 0 and "=> stopped on a signal after step 2 of epoch 0" in r.stdout, r.stdout + r.stderr
     assert "Epoch: [0][3/3]" not in r.stdout and (out / "latest").read_text() == "ds-epoch0-step2"
     return r
 
 
-def resumed(out, stage, nproc):
+def resumed(out, stage, nproc, step=2):
     r = ds(["--output-dir", out, "--zero-stage", stage, "--resume", "auto"] + EQUIV, launcher="torchrun"
            if nproc > 1 else "python", nproc=nproc).check()
-    assert f"=> loaded checkpoint '{out / 'ds-epoch0-step2'}' (epoch 0, step 2)" in r.stdout
-    assert "Epoch: [0][3/3]" in r.stdout and not (out / "ds-epoch0-step2").exists(), "the older checkpoint stays"
+    assert f"=> loaded checkpoint '{out / f'ds-epoch0-step{step}'}' (epoch 0, step {step})" in r.stdout
+    assert "Epoch: [0][3/3]" in r.stdout
+    # The newest 2 (a damaged one stays until a run writes its step again or 2 newer ones).
+    assert sorted(p.name for p in out.glob("ds-epoch*[0-9]")) == ["ds-epoch0-step2", "ds-epoch1"]
     return r
 
 
@@ -210,12 +214,16 @@ def test_mid_epoch_resume_at_another_world_size(zero0, ddp_weights):
 
 def test_mid_epoch_resume_at_the_same_world_size(deepspeed_installed, ddp_weights, tmp_path):
     """ZeRO 1-3 checkpoints hold one shard of the optimizer state per rank, which DeepSpeed 0.19.8 does not
-    reshard: another world size is refused in one line. The same one resumes DDP's weights."""
-    interrupted(tmp_path, stage=2)
+    reshard: another world size is refused in one line. The same one resumes DDP's weights, from the
+    checkpoint of step 1 when that of step 2 is damaged (its largest file cut short)."""
+    interrupted(tmp_path, stage=2, extra=["--save-every", 1])
     refused = ds(["--output-dir", tmp_path, "--zero-stage", 2, "--resume", "auto"] + EQUIV, launcher="python", nproc=1)
     assert refused.returncode != 0 and len(error_lines(refused)) == 1, refused.stderr
     assert "used a DP world size of 2 but the current world size is 1" in error_lines(refused)[0]
-    resumed(tmp_path, stage=2, nproc=2)
+    shard = max((tmp_path / "ds-epoch0-step2").iterdir(), key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[:1000])
+    r = resumed(tmp_path, stage=2, nproc=2, step=1)
+    assert f"=> checkpoint '{tmp_path / 'ds-epoch0-step2'}' is damaged" in r.stdout
     assert max_abs_diff(weights(tmp_path), ddp_weights(1)) <= SAME_PROCESSES_TOLERANCE
 
 

@@ -13,9 +13,9 @@ import torch
 import torch.nn as nn
 import torchvision
 
-from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, REPO, assert_same_checkpoints, bad_inputs, fault_at,
-                      float64_weights, launch_command, load_state, make_data, max_abs_diff, resume_mid_epoch, run,
-                      stall_a_rank)
+from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, REPO, assert_same_checkpoints, bad_inputs, environment,
+                      fault_at, float64_weights, launch_command, load_state, make_data, max_abs_diff, resume_mid_epoch,
+                      run, stall_a_rank)
 
 sys.path.insert(0, str(REPO))
 import distributed  # noqa: E402  (the script itself, for its pure helpers)
@@ -208,6 +208,44 @@ def test_mid_epoch_resume_trains_only_the_rest_at_any_world_size(extra, tmp_path
     assert max_abs_diff(float64_weights(tmp_path), single_process_weights) <= EQUIV_TOLERANCE
 
 
+def test_mid_epoch_resume_skips_a_damaged_newest_checkpoint_bitwise(tmp_path, single_process_weights):
+    """The newest checkpoint cut short (a copy or a file system that lost its tail): --resume auto says
+    so in one line and resumes from the one before it, and the run ends bitwise where an uninterrupted
+    one does."""
+    resume_mid_epoch(tmp_path, lambda args, env: run(args, env=env), lambda args, env: run(args, env=env),
+                     damaged="checkpoint-epoch0-step2.pth")
+    resumed = float64_weights(tmp_path)
+    assert all(torch.equal(resumed[key], single_process_weights[key]) for key in single_process_weights)
+
+
+def test_an_output_dir_in_use_is_refused(tmp_path):
+    """A second run while one writes into --output-dir is refused by its lock (torchrun: one line for
+    all ranks, before the rendezvous), and the first finishes; a fresh run into the directory it left
+    is refused too, naming --resume auto, and leaves every file byte-identical."""
+    args = ["--dummy", "--dummy-samples", 64, "-b", 32, "--epochs", 2, "--output-dir", tmp_path] + FAST + ["-j", 1]
+    first = subprocess.Popen(launch_command("distributed.py", "python", 1) + [str(a) for a in args + ["-p", 1]],
+                             cwd=REPO, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        next(line for line in first.stdout if line.startswith("Epoch: [0]"))  # it is training (with a loader worker)
+        os.kill(first.pid, signal.SIGSTOP)  # and stays in its run while the second starts
+        second = run(args + ["--resume", "auto"], "torchrun", 2)
+        os.kill(first.pid, signal.SIGCONT)
+        stdout, stderr = first.communicate(timeout=120)
+    finally:
+        first.kill()
+    errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
+    assert second.returncode != 0 and errors == [
+        f"error: another run is writing checkpoints in --output-dir '{tmp_path}' (it holds its .lock): wait for it "
+        "to end, or pass another --output-dir"], second.stderr
+    assert first.returncode == 0 and "DONE" in stdout, stdout + stderr
+    files = {path: path.read_bytes() for path in tmp_path.iterdir()}
+    third = run(args)
+    assert third.returncode == 2 and third.stderr.splitlines() == [
+        f"error: --output-dir '{tmp_path}' holds another run's checkpoints (checkpoint-epoch1.pth): pass --resume "
+        "auto to continue that run, or another --output-dir for a new one"], third.stderr
+    assert {path: path.read_bytes() for path in tmp_path.iterdir()} == files
+
+
 PROGRESS = re.compile(r"Epoch: \[(\d+)\]\[\s*(\d+)/")
 
 
@@ -329,7 +367,8 @@ def test_divergence_stops_at_the_next_progress_line(tiny_data, tmp_path):
     checkpoint = load_state(tmp_path / "checkpoint.pth")
     checkpoint["scheduler"]["base_lrs"] = [1e30]
     checkpoint["optimizer"]["param_groups"][0]["lr"] = 1e30
-    torch.save(checkpoint, tmp_path / "checkpoint.pth")
+    torch.save(checkpoint, tmp_path / "checkpoint-epoch1.pth")  # the one --resume auto takes
+    (tmp_path / "checkpoint-epoch1.pth.sha256").unlink()
     r = run(args + ["--epochs", 2, "--resume", "auto", "-p", 1, "--save-every", 1], "torchrun", 2)
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode != 0 and len(errors) == 1, r.stderr

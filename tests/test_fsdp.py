@@ -44,9 +44,11 @@ def test_runs_and_resumes_bitwise(straight, tiny_data, tmp_path):
             ("fsdp", "torchrun", 2, "cpu", 37)
     assert r.done["ranks_identical"] and len(r.done["state_sha256"]) == 2
     assert r.stdout.count("Epoch: [0]") == 1, "progress must be printed by global rank 0 only"
-    # The newest sharded checkpoint only (each rank's shard file, the metadata, the trainer state),
-    # the single-file export and its best copy; no temporary left behind.
-    assert {p.name for p in out.iterdir()} == {"dcp-epoch2", "checkpoint.pth", "model_best.pth"}
+    # The newest 2 sharded checkpoints (each rank's shard file, the metadata, the trainer state) and
+    # single-file exports, with their digests, and the best copy; no temporary left behind.
+    assert {p.name for p in out.iterdir()} == {".lock", "model_best.pth"} | {
+        name + suffix for name in ("dcp-epoch1", "dcp-epoch2", "checkpoint.pth", "checkpoint-epoch1.pth",
+                                   "checkpoint-epoch2.pth") for suffix in ("", ".sha256")}
     assert {p.name for p in (out / "dcp-epoch2").iterdir()} == \
         {".metadata", "__0_0.distcp", "__1_0.distcp", "trainer_state.pth"}
 
@@ -62,9 +64,13 @@ def test_runs_and_resumes_bitwise(straight, tiny_data, tmp_path):
 
 
 def test_mid_epoch_resume_equals_single_process(tmp_path, single_process_weights):
-    """2 ranks fail in the last step of the epoch; 1 process resumes from the sharded checkpoint of step 2."""
-    resume_mid_epoch(tmp_path, lambda args, env: fsdp(args, env=env), lambda args, env: fsdp(args, nproc=1, env=env))
-    assert [p.name for p in tmp_path.glob("dcp-*")] == ["dcp-epoch1"], "the step checkpoints are removed"
+    """2 ranks fail in the last step of the epoch; 1 process resumes from the sharded checkpoint of step 1,
+    as that of step 2 is damaged."""
+    resume_mid_epoch(tmp_path, lambda args, env: fsdp(args, env=env), lambda args, env: fsdp(args, nproc=1, env=env),
+                     damaged="dcp-epoch0-step2")
+    # The newest 2: the damaged one stays until a run writes its step again or 2 newer ones.
+    assert sorted(p.name for p in tmp_path.glob("dcp-*")) == [
+        "dcp-epoch0-step2", "dcp-epoch0-step2.sha256", "dcp-epoch1", "dcp-epoch1.sha256"]
     assert max_abs_diff(float64_weights(tmp_path), single_process_weights) <= EQUIV_TOLERANCE
 
 
@@ -112,8 +118,8 @@ def test_divergence_writes_no_non_finite_shards(tiny_data, tmp_path):
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode != 0 and len(errors) == 1, r.stderr
     assert re.match(r"error: the weights are not finite in epoch 0 at step [12]: the training diverged", errors[0])
-    written = sorted(p.name for p in tmp_path.iterdir())
-    assert written in ([], ["dcp-epoch0-step1"]), written
+    written = sorted(p.name for p in tmp_path.glob("dcp-*"))
+    assert written in ([], ["dcp-epoch0-step1", "dcp-epoch0-step1.sha256"]), written
 
 
 # ---- exact evaluation ----

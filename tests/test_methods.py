@@ -38,7 +38,10 @@ def test_runs_and_resumes_bitwise(script, launcher, nproc, extra, tiny_data, tmp
             (METHOD[script], LAUNCHER_NAME[launcher], nproc, "cpu", 37)
     assert r.done["ranks_identical"] and len(r.done["state_sha256"]) == nproc
     assert r.stdout.count("Epoch: [0]") == 1, "progress must be printed by global rank 0 only"
-    assert {p.name for p in (tmp_path / "straight").iterdir()} == {"checkpoint.pth", "model_best.pth"}
+    # The newest 2 (--keep-checkpoints), with their digests; checkpoint.pth names the newest.
+    assert {p.name for p in (tmp_path / "straight").iterdir()} == {".lock", "model_best.pth"} | {
+        name + suffix for name in ("checkpoint.pth", "checkpoint-epoch1.pth", "checkpoint-epoch2.pth")
+        for suffix in ("", ".sha256")}
 
     run(args + ["--epochs", 1, "--output-dir", tmp_path / "split"], launcher, nproc, script).check()
     r = run(args + ["--epochs", 2, "--output-dir", tmp_path / "split", "--resume", "auto"], launcher, nproc,
