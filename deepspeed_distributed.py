@@ -11,6 +11,7 @@ Every script of the cookbook is distributed.py plus its method's lines: `diff di
 import argparse
 import atexit
 import difflib
+import fcntl
 import hashlib
 import itertools
 import json

@@ -14,6 +14,7 @@ Every script of the cookbook is distributed.py plus its method's lines: `diff di
 import argparse
 import atexit
 import difflib
+import fcntl
 import gc
 import hashlib
 import itertools

@@ -12,6 +12,7 @@ import argparse
 import atexit
 import contextlib
 import difflib
+import fcntl
 import hashlib
 import itertools
 import json

@@ -10,7 +10,8 @@
 #   bash start.sh --dry-run               # print the commands only
 #
 # One process per GPU when GPUs are visible, else --nproc CPU processes (default 2). Each method
-# logs to logs/<method>.log (benchmark: logs/benchmark/); statistics.sh turns the logs into a table.
+# logs to logs/<method>.log (benchmark: logs/benchmark/), and checkpoints into logs/checkpoints/<method>/
+# (both replaced at each run); statistics.sh turns the logs into a table.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
@@ -20,7 +21,7 @@ methods=$(IFS=,; echo "${ALL_METHODS[*]}")
 data="" dummy=0 epochs=4 nproc="" dry_run=0 benchmark=0 repeats=3 logs=logs
 extra=()
 
-usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 die() { echo "start.sh: error: $*" >&2; exit 2; }
 
 while (( $# )); do
@@ -76,7 +77,7 @@ free_port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("", 0)); pri
 
 # Sets cmd to the launch command of method $1, or skip to why this machine cannot run it.
 method_command() {
-    local m=$1 out=checkpoints/$1
+    local m=$1 out=$logs/checkpoints/$1
     cmd=() skip=""
     case $m in
         dp)
@@ -128,6 +129,8 @@ run_method() {  # run_method METHOD: run it, appending to its log, showing its p
     method_command "$m"
     echo "== $m: ${cmd[*]}"
     (( dry_run )) && return
+    # A fresh run each time, as its log: a trainer refuses an --output-dir another run left checkpoints in.
+    rm -rf "$out"
     local start=$SECONDS status=0
     "${cmd[@]}" >>"$log" 2>&1 &
     local pid=$!
