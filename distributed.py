@@ -746,13 +746,16 @@ def checkpoint_paths(output_dir, prefix):
 
 
 def digest(path):
-    """SHA-256 of a checkpoint: of its file, or of a directory's file names and contents."""
+    """SHA-256 of a checkpoint: its file's (as sha256sum prints it), or that of a directory's file names
+    and their files' SHA-256."""
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
     total = hashlib.sha256()
-    files = [path] if os.path.isfile(path) else sorted(os.path.join(top, name) for top, _, names in os.walk(path)
-                                                       for name in names)
-    for file in files:
-        with open(file, "rb") as f:
-            total.update(os.path.relpath(file, path).encode() + hashlib.file_digest(f, "sha256").digest())
+    for top, _, names in sorted(os.walk(path)):
+        for name in sorted(names):
+            total.update(os.path.relpath(os.path.join(top, name), path).encode() + bytes.fromhex(
+                digest(os.path.join(top, name))))
     return total.hexdigest()
 
 
