@@ -180,7 +180,8 @@ def test_signalled_job_checkpoints_requeues_itself_and_resumes_bitwise(tiny_data
     assert state == "COMPLETED", r.stdout
     stopped = re.search(r"=> stopped on a signal after step (\d+) of epoch (\d+)", r.stdout)
     assert stopped and "slurm_train.sbatch: stopped on a signal (trainers exited 143): requeueing" in r.stdout
-    assert f"=> loaded checkpoint '{out / 'checkpoint.pth'}' (epoch {stopped[2]}, step {stopped[1]})" in r.stdout
+    checkpoint = out / f"checkpoint-epoch{stopped[2]}-step{stopped[1]}.pth"
+    assert f"=> loaded checkpoint '{checkpoint}' (epoch {stopped[2]}, step {stopped[1]})" in r.stdout
     assert r.done["state_sha256"] == batch_training(2).done["state_sha256"], \
         "the requeued job must end bitwise where an uninterrupted one does"
 
