@@ -496,7 +496,8 @@ def training_arguments(description):
         help="also checkpoint every N steps (0: at epoch ends only); resumed, it skips the batches trained on")
     add("--keep-checkpoints", type=number(int, 1), default=2, metavar="K",
         help="keep the newest K checkpoints: --resume auto falls back to an older one if the newest is damaged")
-    add("--resume", default="", metavar="PATH", help="checkpoint to resume from; 'auto': --output-dir's, if any")
+    add("--resume", default="", metavar="PATH",
+        help="checkpoint to resume from; 'auto': --output-dir's newest intact one, if any")
     add("-e", "--evaluate", action="store_true", help="evaluate the model on val and exit")
     add("--seed", type=number(int, 0), help="seed everything, deterministic kernels (bitwise-reproducible on CPU)")
     add("--cpu", action="store_true", help="use the CPU even if GPUs are visible")
