@@ -130,7 +130,7 @@ run_method() {  # run_method METHOD: run it, appending to its log, showing its p
     echo "== $m: ${cmd[*]}"
     (( dry_run )) && return
     # A fresh run each time, as its log: a trainer refuses an --output-dir another run left checkpoints in.
-    rm -rf "$out"
+    rm -rf "$logs/checkpoints/$m"
     local start=$SECONDS status=0
     "${cmd[@]}" >>"$log" 2>&1 &
     local pid=$!
