@@ -781,7 +781,8 @@ class DaliLoader:
     """
 
     def __init__(self, dataset, batches, batch_size, args, device):
-        self.dali = import_dali()
+        # .dataset, as a DataLoader has: FSDP's and ZeRO's validate take a stand-in image's shape from it.
+        self.dali, self.dataset = import_dali(), dataset
         self.seeded = dataset if isinstance(dataset, SampleSeeded) else None  # the train set: random crops
         folder = dataset.dataset if self.seeded else dataset
         self.samples, self.transforms = folder.samples, folder.transform.transforms

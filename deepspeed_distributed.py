@@ -384,7 +384,7 @@ def validate(loader, model, device):
     with torch.no_grad():
         for images, target in itertools.islice(itertools.chain(loader, itertools.repeat((None, None))), rounds):
             if images is None:  # this rank is out of batches: a stand-in forward, its output discarded
-                model(loader.dataset[0][0].unsqueeze(0).to(device))
+                model(torch.zeros(1, *loader.dataset[0][0].shape, device=device))
                 continue
             images, target = to_device(images, target, device)
             output = model(images)
@@ -781,7 +781,8 @@ class DaliLoader:
     """
 
     def __init__(self, dataset, batches, batch_size, args, device):
-        self.dali = import_dali()
+        # .dataset, as a DataLoader has: FSDP's and ZeRO's validate take a stand-in image's shape from it.
+        self.dali, self.dataset = import_dali(), dataset
         self.seeded = dataset if isinstance(dataset, SampleSeeded) else None  # the train set: random crops
         folder = dataset.dataset if self.seeded else dataset
         self.samples, self.transforms = folder.samples, folder.transform.transforms

@@ -22,7 +22,8 @@ SHARED_HELPERS = ["UsageError", "LocalError", "report", "log", "summary", "Argum
                   "diverged", "check_finite", "pick_device", "check_batch", "check_output_dir", "load_image",
                   "build_datasets", "normalization", "to_device", "build_model", "SampleSeeded", "ResumableSampler",
                   "shard_batches", "build_loaders", "import_dali", "DaliLoader", "AverageMeter", "correct_counts",
-                  "lr_schedule", "rng_state", "set_rng_state", "to_cpu", "save_checkpoint", "load_checkpoint", "check_resumable", "resume_training", "state_digest"]
+                  "lr_schedule", "rng_state", "set_rng_state", "to_cpu", "save_checkpoint", "load_checkpoint",
+                  "check_resumable", "resume_training", "state_digest"]
 
 
 def shared_block(path):

@@ -50,8 +50,8 @@ def test_dali_shards_the_epoch_and_evaluates_every_image_once(tiny_data, tmp_pat
     reads = tmp_path / "reads"
     reads.mkdir()
     args = ["--data", tiny_data, "-b", 32, "--epochs", 1, "--amp-dtype", "float32", "--min-crop-scale", 0.35] + FAST
-    r = run(args + ["--data-backend", "dali", "-j", 1, "--output-dir", tmp_path],
-            "torchrun", 2, "apex_distributed.py", env={"PYTHONPATH": HOOKS, "COOKBOOK_RECORD_READS": str(reads)}).check()
+    r = run(args + ["--data-backend", "dali", "-j", 1, "--output-dir", tmp_path], "torchrun", 2,
+            "apex_distributed.py", env={"PYTHONPATH": HOOKS, "COOKBOOK_RECORD_READS": str(reads)}).check()
     assert r.done["ranks_identical"] and r.summaries[0]["val_count"] == 37
     files = {rank: (reads / f"rank{rank}.txt").read_text().split() for rank in (0, 1)}
     for split, count in (("train", 96), ("val", 37)):
