@@ -14,6 +14,7 @@ import atexit
 import contextlib
 import difflib
 import fcntl
+import functools
 import hashlib
 import itertools
 import json
@@ -29,6 +30,7 @@ import threading
 import time
 from datetime import timedelta
 
+import numpy
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -37,6 +39,7 @@ import torch.utils.data
 import torchvision.datasets as datasets
 import torchvision.models as models
 import torchvision.transforms as transforms
+from PIL import Image
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -194,18 +197,8 @@ def main_worker(args):
     args.seed = checkpoint["args"]["seed"] if checkpoint else all_gather_objects(
         int.from_bytes(os.urandom(4), "little") if args.seed is None else args.seed)[0]
     train_set = SampleSeeded(train_set, args.seed)
-    # DistributedSampler gives each rank a disjoint 1/W of a permutation that depends only on
-    # (seed, epoch), so the ranks' micro-batches of one step together form the batch one process
-    # would take. drop_last: drop the tail instead of padding it with duplicates.
-    train_sampler = ResumableSampler(train_set, world_size, rank, seed=args.seed, drop_last=True)
-    loader_args = {"num_workers": args.workers, "pin_memory": device.type != "cpu",
-                   "worker_init_fn": ignore_stop_signals}
-    train_loader = torch.utils.data.DataLoader(train_set, max(1, micro_batch), sampler=train_sampler,
-                                               generator=torch.Generator().manual_seed(args.seed + rank),
-                                               drop_last=True, **loader_args)
-    # Exact evaluation: fixed batches dealt out to the ranks, without padding (shard_batches says why).
-    val_loader = torch.utils.data.DataLoader(
-        val_set, batch_sampler=shard_batches(len(val_set), world_size, rank, args.val_batch_size), **loader_args)
+    train_sampler, train_loader, val_loader = build_loaders(args, train_set, val_set, world_size, rank, device,
+                                                            micro_batch)
     steps_per_epoch = len(train_loader) // args.grad_accum_steps
     if steps_per_epoch == 0 and not args.evaluate:
         raise UsageError(f"the train set ({len(train_set)} images) is smaller than one global batch "
@@ -274,8 +267,7 @@ def train(loader, model, criterion, optimizer, scheduler, epoch, first_step, ste
             images, target = next(batches)
             waited = time.perf_counter() - t0
             data_wait, interval_wait = data_wait + waited, interval_wait + waited
-            images = images.to(device, non_blocking=True)
-            target = target.to(device, non_blocking=True)
+            images, target = to_device(images, target, device)
             # no_sync: accumulate gradients locally on all but the last micro-batch, so DDP
             # all-reduces once per optimizer step instead of once per micro-batch.
             skip_sync = micro < accum - 1 and isinstance(model, DDP)
@@ -317,8 +309,7 @@ def validate(loader, model, device):
     meter = AverageMeter(device)
     with torch.no_grad():
         for images, target in loader:
-            images = images.to(device, non_blocking=True)
-            target = target.to(device, non_blocking=True)
+            images, target = to_device(images, target, device)
             output = model(images)
             meter.update(F.cross_entropy(output, target, reduction="none").double().sum(),
                          *correct_counts(output, target), target.size(0))
@@ -400,7 +391,9 @@ def training_arguments(description):
     add("--image-size", type=number(int, 1), default=224, help="train crop; val resizes to size*256/224, crops size")
     add("--min-crop-scale", type=number(float, 0, 1, open_low=True), default=0.08,
         help="smallest area RandomResizedCrop keeps (ImageNet: 0.08; tiny images such as the demo's: ~0.35)")
-    add("-j", "--workers", type=number(int, 0), default=4, help="data loading workers per process")
+    add("-j", "--workers", type=number(int, 0), default=4, help="data loading workers (DALI: threads) per process")
+    add("--data-backend", choices=["torch", "dali"], default="torch",
+        help="who decodes and augments: torch's DataLoader (PIL), or NVIDIA DALI (CPU threads; nvJPEG on GPUs)")
     add("--epochs", type=number(int, 1), default=90, help="total epochs to run")
     add("-b", "--batch-size", type=number(int, 1), default=256,
         help="GLOBAL batch per optimizer step, split over all processes and --grad-accum-steps micro-batches")
@@ -558,10 +551,14 @@ def load_image(path):
 
 def build_datasets(args):
     """Train and val datasets plus the class count; bad data directories raise UsageError."""
+    if args.data_backend == "dali":
+        if args.dummy:
+            raise UsageError("--data-backend dali reads image files: pass --data DIR, not --dummy")
+        import_dali()  # here, before the rendezvous: without DALI every rank fails at once
     if args.dummy:
         shape, val_count = (3, args.image_size, args.image_size), max(1, args.dummy_samples // 10)
-        return (datasets.FakeData(args.dummy_samples, shape, 1000, transforms.ToTensor()),
-                datasets.FakeData(val_count, shape, 1000, transforms.ToTensor(), random_offset=args.dummy_samples),
+        return (datasets.FakeData(args.dummy_samples, shape, 1000, transforms.PILToTensor()),
+                datasets.FakeData(val_count, shape, 1000, transforms.PILToTensor(), random_offset=args.dummy_samples),
                 1000)
     if not args.data:
         raise UsageError("no dataset: pass --data DIR (with DIR/train and DIR/val) or --dummy")
@@ -579,11 +576,11 @@ def build_datasets(args):
                 if os.path.realpath(os.path.join(path, name)) in above:
                     raise UsageError(f"symlink loop in --data: '{os.path.join(path, name)}' leads back to "
                                      f"'{os.path.realpath(os.path.join(path, name))}': remove or replace the link")
-    normalize = transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
+    # uint8 CHW tensors: to_device normalises them on the training device.
     train_tf = transforms.Compose([transforms.RandomResizedCrop(args.image_size, scale=(args.min_crop_scale, 1.0)),
-                                   transforms.RandomHorizontalFlip(), transforms.ToTensor(), normalize])
+                                   transforms.RandomHorizontalFlip(), transforms.PILToTensor()])
     val_tf = transforms.Compose([transforms.Resize(args.image_size * 256 // 224), transforms.CenterCrop(args.image_size),
-                                 transforms.ToTensor(), normalize])
+                                 transforms.PILToTensor()])
     try:
         train = datasets.ImageFolder(os.path.join(args.data, "train"), train_tf, loader=load_image)
         val = datasets.ImageFolder(os.path.join(args.data, "val"), val_tf, loader=load_image)
@@ -594,6 +591,28 @@ def build_datasets(args):
         raise UsageError(f"val classes differ from train classes in {args.data} (e.g. {missing[:5]}): "
                          "both must hold the same class folders")
     return train, val, len(train.classes)
+
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's per-channel statistics, of pixels in [0, 1]
+
+
+@functools.cache
+def normalization(device, dtype):
+    """MEAN and STD as (1, 3, 1, 1) tensors on `device`, made once: made each step, they would be a
+    host-to-device copy each step."""
+    return tuple(torch.tensor(values, dtype=dtype, device=device).view(1, 3, 1, 1) for values in (MEAN, STD))
+
+
+def to_device(images, target, device):
+    """A batch onto the training device, normalised there. The loaders deliver uint8 images, as NVIDIA's
+    and timm's do: a 4x smaller host-to-device copy than float32, and no float work in the loader's CPU
+    workers. The arithmetic is ToTensor + Normalize's, in the default float dtype (float64 in the tests'
+    equivalence runs); a float batch is taken to be in [0, 1], as ToTensor makes it."""
+    images = images.to(device, non_blocking=True)
+    mean, std = normalization(images.device, torch.get_default_dtype())
+    if images.dtype == torch.uint8:
+        images = images.to(mean.dtype).div(255)
+    return (images - mean).div_(std), target.to(device, non_blocking=True)
 
 
 def build_model(args, num_classes):
@@ -630,12 +649,17 @@ class SampleSeeded(torch.utils.data.Dataset):
     def __len__(self):
         return len(self.dataset)
 
-    def __getitem__(self, index):
+    @contextlib.contextmanager
+    def seeded(self, index):
         with torch.random.fork_rng(devices=[]):
             # The CPU generator only, which the transforms draw from (torch.manual_seed would seed
             # every GPU too: 50x slower per image).
             torch.random.default_generator.manual_seed(
                 ((self.seed * 1_000_003 + self.epoch) * 1_000_000_007 + index) % 2**63)
+            yield
+
+    def __getitem__(self, index):
+        with self.seeded(index):
             return self.dataset[index]
 
 
@@ -665,6 +689,132 @@ def shard_batches(count, num_replicas, rank, batch_size):
     image lands in the same batch at any world size, so even the rounding is identical."""
     starts = range(rank * batch_size, count, num_replicas * batch_size)
     return [list(range(start, min(start + batch_size, count))) for start in starts]
+
+
+def build_loaders(args, train_set, val_set, world_size, rank, device, micro_batch):
+    """This rank's train sampler, train loader and val loader, of --data-backend's kind."""
+    # DistributedSampler gives each rank a disjoint 1/W of a permutation that depends only on
+    # (seed, epoch), so the ranks' micro-batches of one step together form the batch one process
+    # would take. drop_last: drop the tail instead of padding it with duplicates.
+    train_sampler = ResumableSampler(train_set, world_size, rank, seed=args.seed, drop_last=True)
+    # Exact evaluation: fixed batches dealt out to the ranks, without padding (shard_batches says why).
+    val_batches = shard_batches(len(val_set), world_size, rank, args.val_batch_size)
+    if args.data_backend == "dali":
+        train_batches = torch.utils.data.BatchSampler(train_sampler, max(1, micro_batch), drop_last=True)
+        return (train_sampler, DaliLoader(train_set, train_batches, max(1, micro_batch), args, device),
+                DaliLoader(val_set, val_batches, args.val_batch_size, args, device))
+    loader_args = {"num_workers": args.workers, "pin_memory": device.type != "cpu",
+                   "worker_init_fn": ignore_stop_signals}
+    train_loader = torch.utils.data.DataLoader(train_set, max(1, micro_batch), sampler=train_sampler,
+                                               generator=torch.Generator().manual_seed(args.seed + rank),
+                                               drop_last=True, **loader_args)
+    return train_sampler, train_loader, torch.utils.data.DataLoader(val_set, batch_sampler=val_batches, **loader_args)
+
+
+def import_dali():
+    """nvidia.dali and its pytorch plugin, or one error line with the pip command for this torch's CUDA."""
+    try:
+        import nvidia.dali
+        import nvidia.dali.plugin.pytorch  # noqa: F401 (torch.from_dlpack takes DALI's outputs once it is loaded)
+        return nvidia.dali
+    except ImportError as e:
+        cuda = (torch.version.cuda or "13").split(".")[0]
+        raise UsageError(f"--data-backend dali needs NVIDIA DALI, which cannot be imported ({e}): pip install "
+                         f"nvidia-dali-cuda{cuda}0 (the CUDA {cuda} build, as this torch's), or use --data-backend "
+                         "torch") from None
+
+
+class DaliLoader:
+    """--data-backend dali: NVIDIA DALI decodes, crops, resizes and flips the images in its own threads
+    (-j of them), on the CPU without GPUs, with nvJPEG on GPUs (device="mixed"), and hands over uint8
+    NCHW batches on the training device, as the default loader's collate does (to_device normalises both).
+
+    Python still chooses everything random, so the default loader's guarantees hold: the batches are
+    the sampler's (the same ResumableSampler and shard_batches: disjoint shards, ranks in lockstep,
+    exact evaluation, mid-epoch resume), and each image's crop window and flip are drawn by the default
+    transform's own RandomResizedCrop.get_params and flip from SampleSeeded's per-(seed, epoch, index)
+    generator: the same windows at any world size, and the same as the default loader's. Only the
+    resampling is DALI's (its bilinear resize with antialiasing against PIL's), so pixels differ slightly.
+    """
+
+    def __init__(self, dataset, batches, batch_size, args, device):
+        # .dataset, as a DataLoader has: FSDP's and ZeRO's validate take a stand-in image's shape from it.
+        self.dali, self.dataset = import_dali(), dataset
+        self.seeded = dataset if isinstance(dataset, SampleSeeded) else None  # the train set: random crops
+        folder = dataset.dataset if self.seeded else dataset
+        self.samples, self.transforms = folder.samples, folder.transform.transforms
+        self.batches, self.batch_size, self.args, self.device = batches, batch_size, args, device
+        # What main_worker checkpoints of a DataLoader, its workers' seed source: DALI draws nothing from it.
+        self.generator = torch.Generator()
+
+    def __len__(self):
+        return len(self.batches)
+
+    def read(self, batch):
+        """The batch's encoded files and labels (+ crop anchors, shapes and flips for training), as DALI takes them."""
+        columns = [[], [], [], [], []]
+        for index in batch:
+            path, label = self.samples[index]
+            columns[0].append(numpy.fromfile(path, dtype=numpy.uint8))
+            columns[1].append(numpy.array(label))
+            if self.seeded:
+                crop, flip = self.transforms[0], self.transforms[1]
+                try:
+                    with Image.open(path) as image, self.seeded.seeded(index):  # reads the header, not the pixels
+                        top, left, height, width = crop.get_params(image, crop.scale, crop.ratio)
+                        mirror = torch.rand(1) < flip.p
+                except (OSError, SyntaxError, ValueError) as e:
+                    raise LocalError(f"cannot read image '{path}' ({e}): replace or delete the file") from None
+                columns[2].append(numpy.array([left, top], dtype=numpy.int32))  # DALI's order: x, y
+                columns[3].append(numpy.array([width, height], dtype=numpy.int32))
+                columns[4].append(numpy.array(mirror.item(), dtype=numpy.int32))
+        return columns if self.seeded else columns[:2]
+
+    def pipeline(self, source):
+        fn, types = self.dali.fn, self.dali.types
+        gpu = self.device.type == "cuda"
+        decoder = "mixed" if gpu else "cpu"  # mixed: nvJPEG decodes on the GPU, the CPU parses the headers
+        size = self.args.image_size
+
+        # device_id None: a CPU-only pipeline, which runs without a GPU or driver.
+        @self.dali.pipeline_def(batch_size=self.batch_size, num_threads=max(1, self.args.workers),
+                                device_id=self.device.index if gpu else None)
+        def pipe():
+            # adjust_orientation=False: PIL, and so the default loader, ignores EXIF rotation too.
+            if self.seeded:
+                files, labels, anchor, shape, mirror = fn.external_source(source, num_outputs=5, batch=True)
+                images = fn.decoders.image_slice(files, anchor, shape, device=decoder, output_type=types.RGB,
+                                                 normalized_anchor=False, normalized_shape=False,
+                                                 adjust_orientation=False)
+                images = fn.resize(images, resize_x=size, resize_y=size)
+                images = fn.crop_mirror_normalize(images, dtype=types.UINT8, output_layout="CHW", mirror=mirror)
+            else:
+                files, labels = fn.external_source(source, num_outputs=2, batch=True)
+                images = fn.decoders.image(files, device=decoder, output_type=types.RGB, adjust_orientation=False)
+                images = fn.resize(images, resize_shorter=self.transforms[0].size)
+                images = fn.crop_mirror_normalize(images, crop=(size, size), dtype=types.UINT8, output_layout="CHW")
+            return images, labels
+        return pipe()
+
+    def __iter__(self):
+        batches = iter(self.batches)  # this epoch's: the sampler's set_epoch came first
+        # A pipeline per pass: DALI calls read() as it schedules batches ahead (prefetching), and the
+        # source's StopIteration ends the pass after the last one.
+        pipe = self.pipeline(lambda: self.read(next(batches)))
+        pipe.build()
+        while True:
+            try:
+                images, labels = pipe.run()
+            except StopIteration:
+                return
+            except RuntimeError as e:  # DALI's multi-line report, which names the operator but not the file
+                where = next((line for line in str(e).splitlines() if "operator" in line), "").rstrip(",")
+                raise LocalError(f"DALI cannot decode an image of this rank's next batches ({where}): a corrupt "
+                                 "or unsupported file? --data-backend torch names it") from None
+            # Zero-copy, as DALI's own DALIGenericIterator does with its default dynamic executor: the outputs
+            # stay alive while torch holds them, and from_dlpack makes DALI's GPU work ready on torch's stream.
+            with self.device:
+                yield torch.from_dlpack(images.as_tensor()), torch.from_dlpack(labels.as_tensor())
 
 
 class AverageMeter:

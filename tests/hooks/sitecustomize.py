@@ -8,7 +8,10 @@ COOKBOOK_FAULT_STEP=N    the N-th optimizer step of each process raises, as a bu
 COOKBOOK_OVERFLOW_STEP=N the N-th GradScaler step of each process finds an inf gradient, as an fp16
                          overflow would;
 COOKBOOK_SIGNAL_STEP=N   each process sends itself SIGTERM in its N-th optimizer step, as a launcher
-                         stopping the job would.
+                         stopping the job would;
+COOKBOOK_RECORD_READS=D  each process appends the path of every file numpy.fromfile reads (the DALI
+                         loader's reads) to D/rank<RANK>.txt;
+COOKBOOK_HIDE_DALI=1     nvidia.dali cannot be imported, as where it is not installed.
 """
 import os
 import signal
@@ -59,3 +62,25 @@ if "COOKBOOK_SIGNAL_STEP" in os.environ:
         return step_before_signal(self, *args, **kwargs)
 
     torch.optim.SGD.step = signalling_step
+
+if "COOKBOOK_RECORD_READS" in os.environ:
+    import numpy
+
+    original_fromfile = numpy.fromfile
+
+    def recording_fromfile(file, *args, **kwargs):
+        with open(os.path.join(os.environ["COOKBOOK_RECORD_READS"], f"rank{os.environ.get('RANK', '0')}.txt"), "a") as f:
+            f.write(f"{file}\n")
+        return original_fromfile(file, *args, **kwargs)
+
+    numpy.fromfile = recording_fromfile
+
+if os.environ.get("COOKBOOK_HIDE_DALI") == "1":
+    import sys
+
+    class HideDali:
+        def find_spec(self, name, path=None, target=None):
+            if name == "nvidia.dali" or name.startswith("nvidia.dali."):
+                raise ModuleNotFoundError(f"No module named '{name}'", name=name)
+
+    sys.meta_path.insert(0, HideDali())
