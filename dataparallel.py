@@ -183,6 +183,7 @@ def main_worker(args):
                 epoch_time=round(time.perf_counter() - start, 3),
                 images_per_sec=round(train_metrics["count"] / train_time, 1),
                 data_wait=round(data_wait / train_time, 4), lr=optimizer.param_groups[0]["lr"])
+        report_data_stall(data_wait, train_time, args)
     finish(model, best_acc1=best_acc1)
 
 
@@ -469,6 +470,23 @@ def claim_output_dir(args):
     if used and not args.resume:
         raise UsageError(f"--output-dir '{args.output_dir}' holds another run's checkpoints ({used[0]}): "
                          "pass --resume auto to continue that run, or another --output-dir for a new one")
+
+
+# Above this share of an epoch's training time spent waiting for batches, the input pipeline, not the
+# model, limits the run: removing the wait would make it up to 1 / (1 - 0.2) = 1.25x faster, worth acting
+# on. A run that is not input-bound waits a few percent (its workers start and fill their queues at each
+# epoch's first batch), well below it.
+DATA_STALL_SHARE = 0.2
+
+
+def report_data_stall(data_wait, train_time, args):
+    """One line (rank 0) after an epoch whose data-wait share exceeds DATA_STALL_SHARE, saying what to try."""
+    share = data_wait / max(train_time, 1e-9)
+    if share > DATA_STALL_SHARE:
+        log(f"=> data stall: {share:.0%} of this epoch's training time was spent waiting for batches (above "
+            f"{DATA_STALL_SHARE:.0%}): the input pipeline limits this run. Try more loader workers (-j, now "
+            f"{args.workers}), --data-backend dali, fewer augmentations, or a resized copy of the data "
+            "(tools/resize_dataset.py); benchmarks/input_pipeline.py measures what each costs per core")
 
 
 def load_image(path):

@@ -6,8 +6,9 @@
 #   bash statistics.sh [LOGDIR]          # default: logs
 #
 # It reads the SUMMARY/DONE JSON lines the trainers print. Each run's first epoch is left out of
-# s/epoch and images/s when later epochs exist (it pays for start-up). Logs with a bare.log and a
-# ceiling.log (from start.sh --benchmark) get columns with each method's images/s over the bare DDP
+# s/epoch, images/s and data wait (the share of training time spent waiting for batches; above 0.2
+# the input pipeline limits the run) when later epochs exist (it pays for start-up). Logs with a
+# bare.log and a ceiling.log (from start.sh --benchmark) get columns with each method's images/s over the bare DDP
 # loop's and over the ceiling's (the same work on independent replicas, with no communication).
 # Missing, failed or unfinished runs are reported in a line below the table, never crash it.
 set -euo pipefail
@@ -82,7 +83,7 @@ ceiling_speed = median(ceiling["summaries"], "images_per_sec") if ceiling else N
 dp_speed = median(runs["dp"]["summaries"], "images_per_sec") if "dp" in runs else None
 names = sorted(runs, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n))
 header = ["method", "launcher", "world size", "device", "epochs", "median s/epoch", "images/s",
-          "speed-up over DP", "best top-1 %"]
+          "speed-up over DP", "best top-1 %", "data wait"]
 if bare_speed:
     header.append("x bare DDP loop")
 if ceiling_speed:
@@ -94,10 +95,12 @@ for name in names:
     speed = median(summaries, "images_per_sec")
     best = max((s["val_acc1"] for s in summaries if s.get("val_acc1") is not None), default=None)
     epoch_time = median(summaries, "epoch_time")
+    data_wait = median(summaries, "data_wait")
     row = [name, last.get("launcher", "?"), str(last.get("world_size", "?")), last.get("device", "?"),
            str(len({s["epoch"] for s in summaries})),
            f"{epoch_time:.1f}" if epoch_time else "-", f"{speed:.1f}",
-           f"{speed / dp_speed:.2f}" if dp_speed else "-", f"{best:.1f}" if best is not None else "-"]
+           f"{speed / dp_speed:.2f}" if dp_speed else "-", f"{best:.1f}" if best is not None else "-",
+           f"{data_wait:.2f}" if data_wait is not None else "-"]
     if bare_speed:
         row.append(f"{speed / bare_speed:.3f}")
     if ceiling_speed:
