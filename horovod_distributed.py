@@ -66,6 +66,12 @@ def setup_distributed(args):
     hvd.init()
     RANK, world_size = hvd.rank(), hvd.size()
     device = pick_device(args, hvd.local_rank(), hvd.local_size())
+    if device.type == "cuda" and not (hvd.cuda_built() and hvd.nccl_built()):
+        # Built without CUDA, Horovod all-reduces a CUDA tensor through a CPU copy it does not order
+        # after backward (mpi_ops_v2.cc, DoAllreduceCudaOnCPU): it would train on stale gradients.
+        raise UsageError("this Horovod was built without CUDA/NCCL and would all-reduce CUDA gradients before "
+                         "backward wrote them: rebuild it with a CUDA toolkit (bash scripts/install_horovod.sh), "
+                         "or pass --cpu")
     if args.sync_bn and device.type != "cuda":
         raise UsageError("--sync-bn needs CUDA: SyncBatchNorm works only with CUDA modules (drop --sync-bn on CPU)")
     check_batch(args, world_size, sync_bn=args.sync_bn and world_size > 1)  # one process: plain BatchNorm
