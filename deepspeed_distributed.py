@@ -72,6 +72,11 @@ def setup_distributed(args):
     if args.sync_bn and device.type != "cuda":
         raise UsageError("--sync-bn needs CUDA: SyncBatchNorm works only with CUDA modules (drop --sync-bn on CPU)")
     check_batch(args, world_size, sync_bn=args.sync_bn and world_size > 1)  # one process: plain BatchNorm
+    # including_emulation=False: older GPUs run bf16 only emulated (the default True says they support it).
+    if (args.precision == "bfloat16" and device.type == "cuda"
+            and not torch.cuda.is_bf16_supported(including_emulation=False)):
+        raise UsageError("--precision bfloat16 needs an Ampere or newer GPU: leave it out (float32), or use "
+                         "apex_distributed.py --amp-dtype float16")
     check_output_dir(args)
     global deepspeed  # imported once the device is known
     os.environ["DS_ACCELERATOR"] = device.type  # it picks one on import: CUDA where GPUs are visible, --cpu or not
@@ -111,6 +116,13 @@ def engine_config(args, world_size):
     config["zero_optimization"] = {"reduce_bucket_size": size, "allgather_bucket_size": size,
                                    **config.get("zero_optimization", {}), "stage": args.zero_stage}
     config["torch_autocast"] = {"enabled": args.precision != "float32", "dtype": args.precision}
+    # Its "fp16"/"bf16" cast the weights, not the images (fp16's auto_cast is off by default: engine.py
+    # forward), and the evaluation runs the plain module on float32 images: it could not train or evaluate.
+    for section in ("fp16", "bf16"):
+        if config.get(section, {}).get("enabled"):
+            raise UsageError(f'--deepspeed-config enables DeepSpeed\'s "{section}", which this script cannot train '
+                             "with: drop it; use --precision bfloat16 (Ampere or newer GPUs, CPUs) or, for fp16, "
+                             "apex_distributed.py --amp-dtype float16")
     return config
 
 
@@ -184,7 +196,8 @@ def load_engine(engine, args):
     from deepspeed.utils.tensor_fragment import fragment_address  # (deepspeed.utils.tensor_fragment: a class)
     torch.serialization.add_safe_globals([fragment_address, deepspeed.runtime.fp16.loss_scaler.LossScaler,
                                           deepspeed.runtime.zero.config.ZeroStageEnum])
-    engine.checkpoint_engine.load = lambda file, map_location=None: torch.load(file, map_location, weights_only=True)
+    # And onto the CPU, as DeepSpeed's own calls ask (state_dict_factory.py, engine.py): no GPU needed to resume.
+    engine.checkpoint_engine.load = lambda file, map_location=None: torch.load(file, "cpu", weights_only=True)
     where = [args.output_dir] if args.resume == "auto" else os.path.split(os.path.normpath(args.resume))
     try:
         path, checkpoint = engine.load_checkpoint(*where)  # path: rank 0's file in the checkpoint directory
@@ -250,6 +263,9 @@ def main_worker(args):
                                               config=engine_config(args, world_size))[0]
     except (OSError, AssertionError, ValueError, deepspeed.DeepSpeedConfigError) as e:  # reading and checking it
         raise UsageError(f"bad DeepSpeed configuration: {(str(e).strip() or repr(e)).splitlines()[0]}") from None
+    # DeepSpeed saves tensors where they live (CUDA ones on GPUs): CPU copies, so its checkpoints open anywhere.
+    engine_save = parallel_model.checkpoint_engine.save
+    parallel_model.checkpoint_engine.save = lambda state_dict, path: engine_save(to_cpu(state_dict), path)
     checkpoint = checkpoint or (load_engine(parallel_model, args) if args.resume else None)
     log(f"=> DeepSpeed {deepspeed.__version__}: ZeRO stage {args.zero_stage}, forward in {args.precision}")
     micro_batch = args.batch_size // world_size // args.grad_accum_steps
