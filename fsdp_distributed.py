@@ -590,7 +590,7 @@ def training_arguments(description):
     parser = ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = parser.add_argument
     add("--data", metavar="DIR", help="dataset root holding train/ and val/ in ImageFolder layout")
-    add("--dummy", action="store_true", help="synthetic images (torchvision's FakeData) instead of --data")
+    add("--dummy", action="store_true", help="synthetic images (random, fixed per index) instead of --data")
     add("--dummy-samples", type=number(int, 1), default=10000, help="--dummy train images (val: a tenth)")
     add("-a", "--arch", default="resnet18", help="torchvision classification model")
     add("--norm", choices=["batch", "group"], default="batch",
@@ -722,10 +722,9 @@ def load_image(path):
 def build_datasets(args):
     """Train and val datasets plus the class count; bad data directories raise UsageError."""
     if args.dummy:
-        shape, val_count = (3, args.image_size, args.image_size), max(1, args.dummy_samples // 10)
-        return (datasets.FakeData(args.dummy_samples, shape, 1000, transforms.ToTensor()),
-                datasets.FakeData(val_count, shape, 1000, transforms.ToTensor(), random_offset=args.dummy_samples),
-                1000)
+        val_count = max(1, args.dummy_samples // 10)
+        return (SyntheticImages(args.dummy_samples, args.image_size, 1000),
+                SyntheticImages(val_count, args.image_size, 1000, offset=args.dummy_samples), 1000)
     if not args.data:
         raise UsageError("no dataset: pass --data DIR (with DIR/train and DIR/val) or --dummy")
     for split in ("train", "val"):
@@ -777,6 +776,26 @@ def build_model(args, num_classes):
             raise UsageError(f"--image-size {args.image_size} is too small for --arch {args.arch} "
                              f"({str(e).splitlines()[0]}): pass a larger one") from None
     return models.get_model(args.arch, **kwargs)
+
+
+class SyntheticImages(torch.utils.data.Dataset):
+    """--dummy: `count` random images (CHW in [0, 1], default dtype: ToTensor's of an image file) and labels,
+    each drawn from a CPU generator seeded by its index: the same sample at any world size, worker count or
+    restart, and no GPU work (torchvision's FakeData calls torch.manual_seed per sample, which seeds every GPU)."""
+
+    def __init__(self, count, image_size, num_classes, offset=0):
+        self.count, self.shape, self.num_classes, self.offset = count, (3, image_size, image_size), num_classes, offset
+
+    def __len__(self):
+        return self.count
+
+    def __getitem__(self, index):
+        if not 0 <= index < self.count:
+            raise IndexError(f"sample {index} of {self.count}")
+        generator = torch.Generator().manual_seed(self.offset + index)
+        image = torch.randint(0, 256, self.shape, dtype=torch.uint8, generator=generator)
+        label = int(torch.randint(self.num_classes, (), generator=generator))
+        return image.to(torch.get_default_dtype()).div_(255), label
 
 
 class SampleSeeded(torch.utils.data.Dataset):

@@ -14,13 +14,12 @@ throughput by this loop's on the same model, synthetic data, world size and glob
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torchvision.datasets as datasets
 import torchvision.models as models
-import torchvision.transforms as transforms
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
@@ -48,7 +47,9 @@ def main():
     world, rank = dist.get_world_size(), dist.get_rank()
 
     # The synthetic images the trainers' --dummy reads.
-    data = datasets.FakeData(args.dummy_samples, (3, args.image_size, args.image_size), 1000, transforms.ToTensor())
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from distributed import SyntheticImages
+    data = SyntheticImages(args.dummy_samples, args.image_size, 1000)
     sampler = torch.utils.data.distributed.DistributedSampler(data, drop_last=True)
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size // world, sampler=sampler, drop_last=True,
                                          num_workers=args.workers, pin_memory=device.type != "cpu")
