@@ -22,6 +22,7 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -554,6 +555,8 @@ def pick_device(args, local_rank, local_world_size):
     else the CPU; --cpu forces the CPU."""
     accelerator = None if args.cpu else torch.accelerator.current_accelerator(check_available=True)
     if accelerator is None:
+        if not args.cpu:
+            check_no_gpu_left_out()
         return torch.device("cpu")
     if local_world_size > torch.accelerator.device_count():
         # All processes of this node fail alike: its local rank 0 says why (rank 0 may be on another node).
@@ -562,6 +565,25 @@ def pick_device(args, local_rank, local_world_size):
             "start at most one process per GPU")
     torch.accelerator.set_device_index(local_rank)  # before any GPU work, so nothing lands on GPU 0 by accident
     return torch.device(accelerator.type, local_rank)
+
+
+def check_no_gpu_left_out():
+    """Torch sees no GPU: if the NVIDIA driver lists some, that is an error (a driver too old for the torch
+    wheel's CUDA would otherwise train N CPU processes on a GPU node in silence), not a CPU run."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "all").strip() in ("", "-1") or not shutil.which("nvidia-smi"):
+        return  # GPUs hidden on purpose (as the CPU test suite does), or no NVIDIA driver
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return
+    drivers = smi.stdout.split() if smi.returncode == 0 else []
+    if drivers:
+        why = (f"it needs a driver for CUDA {torch.version.cuda}, or CUDA_VISIBLE_DEVICES names none of them"
+               if torch.version.cuda else "it is a CPU-only build")
+        raise UsageError(f"nvidia-smi lists {len(drivers)} GPU(s) (driver {drivers[0]}) but torch {torch.__version__} "
+                         f"sees none ({why}): update the driver or install a torch wheel for its CUDA, or pass --cpu "
+                         "to train on the CPU")
 
 
 def check_batch(args, world_size, replicas=1, sync_bn=False):

@@ -19,8 +19,9 @@ END = "# ---- end of shared helpers ----\n"
 # make it here too.
 SHARED_HELPERS = ["UsageError", "LocalError", "report", "log", "summary", "ArgumentParser", "number",
                   "training_arguments", "seed_everything", "Stopped", "stop_on_signals", "ignore_stop_signals",
-                  "diverged", "check_finite", "pick_device", "check_batch", "check_output_dir", "load_image",
-                  "build_datasets", "build_model", "SyntheticImages", "SampleSeeded", "ResumableSampler", "shard_batches",
+                  "diverged", "check_finite", "pick_device", "check_no_gpu_left_out", "check_batch",
+                  "check_output_dir", "load_image", "build_datasets", "build_model", "SyntheticImages",
+                  "SampleSeeded", "ResumableSampler", "shard_batches",
                   "AverageMeter", "correct_counts", "lr_schedule", "rng_state", "set_rng_state", "to_cpu",
                   "save_checkpoint", "load_checkpoint", "check_resumable", "resume_training", "state_digest"]
 
