@@ -320,12 +320,14 @@ def main_worker(args):
         for old in os.listdir(args.output_dir) if rank == 0 else []:  # then rank 0 removes the older ones
             if old.startswith("ds-epoch") and old != tag:
                 shutil.rmtree(os.path.join(args.output_dir, old))
-        # And the whole model in one file, for a plain model; ZeRO 3 gathers it on every rank meanwhile.
-        with deepspeed.zero.GatheredParameters(list(model.parameters())):
-            if rank == 0 and not step:
-                save_checkpoint({"epoch": epoch, "arch": args.arch, "state_dict": model.state_dict(),
-                                 "best_acc1": best_acc1, "world_size": world_size, "args": vars(args)},
-                                is_best, args.output_dir)
+        if step:
+            return
+        # And the whole model in one file, for a plain model. ZeRO 3 (collective): one layer at a time is
+        # gathered, copied onto rank 0's CPU and freed, so no GPU holds the whole model (others get None).
+        full = parallel_model._zero3_consolidated_16bit_state_dict() if args.zero_stage == 3 else model.state_dict()
+        if rank == 0:
+            save_checkpoint({"epoch": epoch, "arch": args.arch, "state_dict": full, "best_acc1": best_acc1,
+                             "world_size": world_size, "args": vars(args)}, is_best, args.output_dir)
 
     for epoch in range(start_epoch, args.epochs):
         # set_epoch reshuffles: without it every epoch would visit the data in the same order. After
