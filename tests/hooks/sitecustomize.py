@@ -8,7 +8,8 @@ COOKBOOK_FAULT_STEP=N    the N-th optimizer step of each process raises, as a bu
 COOKBOOK_OVERFLOW_STEP=N the N-th GradScaler step of each process finds an inf gradient, as an fp16
                          overflow would;
 COOKBOOK_SIGNAL_STEP=N   each process sends itself SIGTERM in its N-th optimizer step, as a launcher
-                         stopping the job would.
+                         stopping the job would;
+COOKBOOK_CUDA_REPORT=DIR each process writes DIR/<its pid>: whether it started CUDA, as it exits.
 """
 import os
 import signal
@@ -59,3 +60,13 @@ if "COOKBOOK_SIGNAL_STEP" in os.environ:
         return step_before_signal(self, *args, **kwargs)
 
     torch.optim.SGD.step = signalling_step
+
+if "COOKBOOK_CUDA_REPORT" in os.environ:
+    import atexit
+
+    def report_cuda():
+        # Whether this process started CUDA (torch's lazy init: a context on a GPU), written as it exits.
+        with open(os.path.join(os.environ["COOKBOOK_CUDA_REPORT"], str(os.getpid())), "w") as f:
+            f.write(str(torch.cuda.is_initialized()))
+
+    atexit.register(report_cuda)
