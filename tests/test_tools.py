@@ -1,4 +1,5 @@
-"""statistics.sh on fixture logs, and start.sh's command lines (--dry-run)."""
+"""statistics.sh on fixture logs, start.sh's command lines (--dry-run), gpu_check.sh's refusal without GPUs."""
+import os
 import re
 import shutil
 import subprocess
@@ -50,3 +51,15 @@ def test_start_dry_run_names_every_method(tmp_path):
     r = bash("start.sh", "--dry-run", "--benchmark", "--repeats", 1, "--methods", "ddp", "--logs", tmp_path)
     assert re.search(r"== ceiling \(run 1/1\): \S*/torchrun .* benchmarks/bare_ddp.py .* --no-communication", r.stdout)
     assert not list(tmp_path.glob("*.log")), "a dry run writes no logs"
+
+
+def test_gpu_check_refuses_a_machine_without_gpus(tmp_path):
+    """nvidia-smi finds no GPU (as it says on a GPU-less machine, exit 6): one error line, exit 2, before
+    installing anything."""
+    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\necho 'No devices were found'\nexit 6\n")
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    r = subprocess.run(["bash", REPO / "scripts" / "gpu_check.sh"], capture_output=True, text=True,
+                       env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"})
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    assert r.stderr.splitlines() == ["gpu_check.sh: error: no NVIDIA GPU here (nvidia-smi lists none): this checks "
+                                     "GPU machines; on a CPU one run .ci/run"]
