@@ -24,6 +24,7 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -464,7 +465,7 @@ def training_arguments(description):
     parser = ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = parser.add_argument
     add("--data", metavar="DIR", help="dataset root holding train/ and val/ in ImageFolder layout")
-    add("--dummy", action="store_true", help="synthetic images (torchvision's FakeData) instead of --data")
+    add("--dummy", action="store_true", help="synthetic images (random, fixed per index) instead of --data")
     add("--dummy-samples", type=number(int, 1), default=10000, help="--dummy train images (val: a tenth)")
     add("-a", "--arch", default="resnet18", help="torchvision classification model")
     add("--norm", choices=["batch", "group"], default="batch",
@@ -557,6 +558,8 @@ def pick_device(args, local_rank, local_world_size):
     else the CPU; --cpu forces the CPU."""
     accelerator = None if args.cpu else torch.accelerator.current_accelerator(check_available=True)
     if accelerator is None:
+        if not args.cpu:
+            check_no_gpu_left_out()
         return torch.device("cpu")
     if local_world_size > torch.accelerator.device_count():
         # All processes of this node fail alike: its local rank 0 says why (rank 0 may be on another node).
@@ -565,6 +568,25 @@ def pick_device(args, local_rank, local_world_size):
             "start at most one process per GPU")
     torch.accelerator.set_device_index(local_rank)  # before any GPU work, so nothing lands on GPU 0 by accident
     return torch.device(accelerator.type, local_rank)
+
+
+def check_no_gpu_left_out():
+    """Torch sees no GPU: if the NVIDIA driver lists some, that is an error (a driver too old for the torch
+    wheel's CUDA would otherwise train N CPU processes on a GPU node in silence), not a CPU run."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "all").strip() in ("", "-1") or not shutil.which("nvidia-smi"):
+        return  # GPUs hidden on purpose (as the CPU test suite does), or no NVIDIA driver
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return
+    drivers = smi.stdout.split() if smi.returncode == 0 else []
+    if drivers:
+        why = (f"it needs a driver for CUDA {torch.version.cuda}, or CUDA_VISIBLE_DEVICES names none of them"
+               if torch.version.cuda else "it is a CPU-only build")
+        raise UsageError(f"nvidia-smi lists {len(drivers)} GPU(s) (driver {drivers[0]}) but torch {torch.__version__} "
+                         f"sees none ({why}): update the driver or install a torch wheel for its CUDA, or pass --cpu "
+                         "to train on the CPU")
 
 
 def check_batch(args, world_size, replicas=1, sync_bn=False):
@@ -607,14 +629,18 @@ def claim_output_dir(args):
         os.makedirs(args.output_dir, exist_ok=True)
         tempfile.TemporaryFile(dir=args.output_dir).close()
         OUTPUT_LOCK.append(open(os.path.join(args.output_dir, ".lock"), "a"))
+    except OSError as e:
+        raise UsageError(f"cannot write checkpoints to --output-dir '{args.output_dir}': {e.strerror}") from None
+    try:
         # flock: the kernel drops it when the process ends, however it ends (crash, SIGKILL, a
         # torchrun restart), so no stale lock outlives a run, unlike a lock file's mere presence.
         fcntl.flock(OUTPUT_LOCK[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise UsageError(f"another run is writing checkpoints in --output-dir '{args.output_dir}' (it holds "
                          "its .lock): wait for it to end, or pass another --output-dir") from None
-    except OSError as e:
-        raise UsageError(f"cannot write checkpoints to --output-dir '{args.output_dir}': {e.strerror}") from None
+    except OSError as e:  # a file system without locks (Lustre mounted noflock, NFS without its lock service)
+        log(f"=> warning: --output-dir '{args.output_dir}' cannot be locked ({e.strerror}): nothing stops a "
+            "second run from writing there at the same time")
     used = sorted(name for name in os.listdir(args.output_dir) if name in ("checkpoint.pth", "model_best.pth")
                   or name.startswith(CHECKPOINT_PREFIXES))
     if used and not args.resume:
@@ -654,10 +680,9 @@ def build_datasets(args):
             raise UsageError("--data-backend dali reads image files: pass --data DIR, not --dummy")
         import_dali()  # here, before the rendezvous: without DALI every rank fails at once
     if args.dummy:
-        shape, val_count = (3, args.image_size, args.image_size), max(1, args.dummy_samples // 10)
-        return (datasets.FakeData(args.dummy_samples, shape, 1000, transforms.PILToTensor()),
-                datasets.FakeData(val_count, shape, 1000, transforms.PILToTensor(), random_offset=args.dummy_samples),
-                1000)
+        val_count = max(1, args.dummy_samples // 10)
+        return (SyntheticImages(args.dummy_samples, args.image_size, 1000),
+                SyntheticImages(val_count, args.image_size, 1000, offset=args.dummy_samples), 1000)
     if not args.data:
         raise UsageError("no dataset: pass --data DIR (with DIR/train and DIR/val) or --dummy")
     for split in ("train", "val"):
@@ -731,6 +756,26 @@ def build_model(args, num_classes):
             raise UsageError(f"--image-size {args.image_size} is too small for --arch {args.arch} "
                              f"({str(e).splitlines()[0]}): pass a larger one") from None
     return models.get_model(args.arch, **kwargs)
+
+
+class SyntheticImages(torch.utils.data.Dataset):
+    """--dummy: `count` random uint8 CHW images (as the image loaders give) and labels,
+    each drawn from a CPU generator seeded by its index: the same sample at any world size, worker count or
+    restart, and no GPU work (torchvision's FakeData calls torch.manual_seed per sample, which seeds every GPU)."""
+
+    def __init__(self, count, image_size, num_classes, offset=0):
+        self.count, self.shape, self.num_classes, self.offset = count, (3, image_size, image_size), num_classes, offset
+
+    def __len__(self):
+        return self.count
+
+    def __getitem__(self, index):
+        if not 0 <= index < self.count:
+            raise IndexError(f"sample {index} of {self.count}")
+        generator = torch.Generator().manual_seed(self.offset + index)
+        image = torch.randint(0, 256, self.shape, dtype=torch.uint8, generator=generator)
+        label = int(torch.randint(self.num_classes, (), generator=generator))
+        return image, label
 
 
 class SampleSeeded(torch.utils.data.Dataset):
@@ -911,8 +956,12 @@ class DaliLoader:
                                  "or unsupported file? --data-backend torch names it") from None
             # Zero-copy, as DALI's own DALIGenericIterator does with its default dynamic executor: the outputs
             # stay alive while torch holds them, and from_dlpack makes DALI's GPU work ready on torch's stream.
+            # The labels are copied out of DALI's host buffer, which it may reuse before to_device's
+            # non_blocking copy has read it. The device is set for from_dlpack only, not for the step that
+            # runs while this generator waits at its yield.
             with self.device:
-                yield torch.from_dlpack(images.as_tensor()), torch.from_dlpack(labels.as_tensor())
+                batch = torch.from_dlpack(images.as_tensor()), torch.from_dlpack(labels.as_tensor()).clone()
+            yield batch
 
 
 class AverageMeter:
@@ -1030,6 +1079,10 @@ def intact(paths):
     """paths, less those whose files differ from the digest written beside them, each left out with one
     line. torch.load finds a cut-short file, not a flipped bit: its zip reader checks no CRC (tested)."""
     for path in paths:
+        if os.path.isdir(path) and not os.path.isfile(path + ".sha256"):
+            # Written in place (DeepSpeed's tags): the digest comes last, so without it the save was cut short.
+            log(f"=> checkpoint '{path}' is incomplete (no .sha256 beside it: its save did not finish): skipping it")
+            continue
         if os.path.isfile(path + ".sha256"):
             with open(path + ".sha256") as f:
                 if f.read().strip() != digest(path):

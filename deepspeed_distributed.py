@@ -23,6 +23,7 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -78,6 +79,11 @@ def setup_distributed(args):
     if args.sync_bn and device.type != "cuda":
         raise UsageError("--sync-bn needs CUDA: SyncBatchNorm works only with CUDA modules (drop --sync-bn on CPU)")
     check_batch(args, world_size, sync_bn=args.sync_bn and world_size > 1)  # one process: plain BatchNorm
+    # including_emulation=False: older GPUs run bf16 only emulated (the default True says they support it).
+    if (args.precision == "bfloat16" and device.type == "cuda"
+            and not torch.cuda.is_bf16_supported(including_emulation=False)):
+        raise UsageError("--precision bfloat16 needs an Ampere or newer GPU: leave it out (float32), or use "
+                         "apex_distributed.py --amp-dtype float16")
     global deepspeed  # imported once the device is known
     os.environ["DS_ACCELERATOR"] = device.type  # it picks one on import: CUDA where GPUs are visible, --cpu or not
     try:
@@ -117,6 +123,13 @@ def engine_config(args, world_size):
     config["zero_optimization"] = {"reduce_bucket_size": size, "allgather_bucket_size": size,
                                    **config.get("zero_optimization", {}), "stage": args.zero_stage}
     config["torch_autocast"] = {"enabled": args.precision != "float32", "dtype": args.precision}
+    # Its "fp16"/"bf16" cast the weights, not the images (fp16's auto_cast is off by default: engine.py
+    # forward), and the evaluation runs the plain module on float32 images: it could not train or evaluate.
+    for section in ("fp16", "bf16"):
+        if config.get(section, {}).get("enabled"):
+            raise UsageError(f'--deepspeed-config enables DeepSpeed\'s "{section}", which this script cannot train '
+                             "with: drop it; use --precision bfloat16 (Ampere or newer GPUs, CPUs) or, for fp16, "
+                             "apex_distributed.py --amp-dtype float16")
     return config
 
 
@@ -190,7 +203,8 @@ def load_engine(engine, args):
     from deepspeed.utils.tensor_fragment import fragment_address  # (deepspeed.utils.tensor_fragment: a class)
     torch.serialization.add_safe_globals([fragment_address, deepspeed.runtime.fp16.loss_scaler.LossScaler,
                                           deepspeed.runtime.zero.config.ZeroStageEnum])
-    engine.checkpoint_engine.load = lambda file, map_location=None: torch.load(file, map_location, weights_only=True)
+    # And onto the CPU, as DeepSpeed's own calls ask (state_dict_factory.py, engine.py): no GPU needed to resume.
+    engine.checkpoint_engine.load = lambda file, map_location=None: torch.load(file, "cpu", weights_only=True)
     # By its tag, not DeepSpeed's `latest` file, which names the newest it wrote, damaged or not.
     paths = checkpoint_paths(args.output_dir, "ds-epoch") if args.resume == "auto" else [os.path.normpath(args.resume)]
     if not paths:
@@ -260,6 +274,9 @@ def main_worker(args):
                                               config=engine_config(args, world_size))[0]
     except (OSError, AssertionError, ValueError, deepspeed.DeepSpeedConfigError) as e:  # reading and checking it
         raise UsageError(f"bad DeepSpeed configuration: {(str(e).strip() or repr(e)).splitlines()[0]}") from None
+    # DeepSpeed saves tensors where they live (CUDA ones on GPUs): CPU copies, so its checkpoints open anywhere.
+    engine_save = parallel_model.checkpoint_engine.save
+    parallel_model.checkpoint_engine.save = lambda state_dict, path: engine_save(to_cpu(state_dict), path)
     checkpoint = checkpoint or (load_engine(parallel_model, args) if args.resume else None)
     log(f"=> DeepSpeed {deepspeed.__version__}: ZeRO stage {args.zero_stage}, forward in {args.precision}")
     micro_batch = args.batch_size // world_size // args.grad_accum_steps
@@ -289,7 +306,7 @@ def main_worker(args):
         val = validate(val_loader, model, device)
         summary("SUMMARY", method=METHOD, launcher=launcher_name(args), world_size=world_size, device=device.type,
                 epoch=start_epoch - 1, **{f"val_{k}": v for k, v in val.items()})
-        return finish(model)
+        return finish(unwrapped(model, args, num_classes))
 
     def save(epoch, step, loader_state, is_best=False):
         """Checkpoint the state after `step` optimizer steps of `epoch` (a whole epoch: epoch + 1, step 0)."""
@@ -302,12 +319,14 @@ def main_worker(args):
             "best_acc1": best_acc1, "world_size": world_size, "rng": rngs, "args": vars(args)})
         if rank == 0:  # it returns once every rank's files are written
             seal(os.path.join(args.output_dir, tag), args.keep_checkpoints)
-        # And the whole model in one file, for a plain model; ZeRO 3 gathers it on every rank meanwhile.
-        with deepspeed.zero.GatheredParameters(list(model.parameters())):
-            if rank == 0 and not step:
-                save_checkpoint({"epoch": epoch, "arch": args.arch, "state_dict": model.state_dict(),
-                                 "best_acc1": best_acc1, "world_size": world_size, "args": vars(args)},
-                                is_best, args)
+        if step:
+            return
+        # And the whole model in one file, for a plain model. ZeRO 3 (collective): one layer at a time is
+        # gathered, copied onto rank 0's CPU and freed, so no GPU holds the whole model (others get None).
+        full = parallel_model._zero3_consolidated_16bit_state_dict() if args.zero_stage == 3 else model.state_dict()
+        if rank == 0:
+            save_checkpoint({"epoch": epoch, "arch": args.arch, "state_dict": full, "best_acc1": best_acc1,
+                             "world_size": world_size, "args": vars(args)}, is_best, args)
 
     for epoch in range(start_epoch, args.epochs):
         # set_epoch reshuffles: without it every epoch would visit the data in the same order. After
@@ -332,7 +351,7 @@ def main_worker(args):
                 images_per_sec=round(train_metrics["count"] / train_time, 1),
                 data_wait=round(data_wait / train_time, 4), lr=optimizer.param_groups[0]["lr"])
         report_data_stall(data_wait, train_time, args)
-    finish(model, best_acc1=best_acc1)
+    finish(unwrapped(model, args, num_classes), best_acc1=best_acc1)
 
 
 def train(loader, model, criterion, optimizer, scheduler, epoch, first_step, steps, device, args, save):
@@ -402,10 +421,29 @@ def validate(loader, model, device):
     return metrics
 
 
+def unwrapped(model, args, num_classes):
+    """A plain torchvision model holding the whole model, on this rank's CPU.
+
+    Collective at ZeRO 3: one layer's parameters at a time are all-gathered, copied to the CPU and
+    freed, so no GPU holds more than one whole layer beyond its shards. The plain model is built on
+    the meta device (no memory, no random init) and takes the copies as they are.
+    """
+    with torch.device("meta"):
+        plain = build_model(args, num_classes)
+    state = {}
+    for prefix, module in model.named_modules():
+        with deepspeed.zero.GatheredParameters(list(module.parameters(recurse=False))):
+            layer = {}
+            module._save_to_state_dict(layer, f"{prefix}." if prefix else "", keep_vars=False)  # not its children
+            state.update({name: tensor.to("cpu", copy=True) for name, tensor in layer.items()})
+    plain.load_state_dict(state, assign=True)
+    return plain
+
+
 def finish(model, best_acc1=None):
-    """Report every rank's digest of the final model, then leave the process group cleanly."""
-    with deepspeed.zero.GatheredParameters(list(model.parameters())):  # ZeRO 3: the whole model, not the shards
-        digests = all_gather_objects(state_digest(model))
+    """Report every rank's digest of the whole final model (each rank's own gathered copy), then leave
+    the process group cleanly."""
+    digests = all_gather_objects(state_digest(model))
     summary("DONE", method=METHOD, state_sha256=digests, ranks_identical=len(set(digests)) == 1,
             **({} if best_acc1 is None else {"best_acc1": best_acc1}))
     if dist.is_initialized():
@@ -467,7 +505,7 @@ def training_arguments(description):
     parser = ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = parser.add_argument
     add("--data", metavar="DIR", help="dataset root holding train/ and val/ in ImageFolder layout")
-    add("--dummy", action="store_true", help="synthetic images (torchvision's FakeData) instead of --data")
+    add("--dummy", action="store_true", help="synthetic images (random, fixed per index) instead of --data")
     add("--dummy-samples", type=number(int, 1), default=10000, help="--dummy train images (val: a tenth)")
     add("-a", "--arch", default="resnet18", help="torchvision classification model")
     add("--norm", choices=["batch", "group"], default="batch",
@@ -560,6 +598,8 @@ def pick_device(args, local_rank, local_world_size):
     else the CPU; --cpu forces the CPU."""
     accelerator = None if args.cpu else torch.accelerator.current_accelerator(check_available=True)
     if accelerator is None:
+        if not args.cpu:
+            check_no_gpu_left_out()
         return torch.device("cpu")
     if local_world_size > torch.accelerator.device_count():
         # All processes of this node fail alike: its local rank 0 says why (rank 0 may be on another node).
@@ -568,6 +608,25 @@ def pick_device(args, local_rank, local_world_size):
             "start at most one process per GPU")
     torch.accelerator.set_device_index(local_rank)  # before any GPU work, so nothing lands on GPU 0 by accident
     return torch.device(accelerator.type, local_rank)
+
+
+def check_no_gpu_left_out():
+    """Torch sees no GPU: if the NVIDIA driver lists some, that is an error (a driver too old for the torch
+    wheel's CUDA would otherwise train N CPU processes on a GPU node in silence), not a CPU run."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "all").strip() in ("", "-1") or not shutil.which("nvidia-smi"):
+        return  # GPUs hidden on purpose (as the CPU test suite does), or no NVIDIA driver
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return
+    drivers = smi.stdout.split() if smi.returncode == 0 else []
+    if drivers:
+        why = (f"it needs a driver for CUDA {torch.version.cuda}, or CUDA_VISIBLE_DEVICES names none of them"
+               if torch.version.cuda else "it is a CPU-only build")
+        raise UsageError(f"nvidia-smi lists {len(drivers)} GPU(s) (driver {drivers[0]}) but torch {torch.__version__} "
+                         f"sees none ({why}): update the driver or install a torch wheel for its CUDA, or pass --cpu "
+                         "to train on the CPU")
 
 
 def check_batch(args, world_size, replicas=1, sync_bn=False):
@@ -610,14 +669,18 @@ def claim_output_dir(args):
         os.makedirs(args.output_dir, exist_ok=True)
         tempfile.TemporaryFile(dir=args.output_dir).close()
         OUTPUT_LOCK.append(open(os.path.join(args.output_dir, ".lock"), "a"))
+    except OSError as e:
+        raise UsageError(f"cannot write checkpoints to --output-dir '{args.output_dir}': {e.strerror}") from None
+    try:
         # flock: the kernel drops it when the process ends, however it ends (crash, SIGKILL, a
         # torchrun restart), so no stale lock outlives a run, unlike a lock file's mere presence.
         fcntl.flock(OUTPUT_LOCK[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise UsageError(f"another run is writing checkpoints in --output-dir '{args.output_dir}' (it holds "
                          "its .lock): wait for it to end, or pass another --output-dir") from None
-    except OSError as e:
-        raise UsageError(f"cannot write checkpoints to --output-dir '{args.output_dir}': {e.strerror}") from None
+    except OSError as e:  # a file system without locks (Lustre mounted noflock, NFS without its lock service)
+        log(f"=> warning: --output-dir '{args.output_dir}' cannot be locked ({e.strerror}): nothing stops a "
+            "second run from writing there at the same time")
     used = sorted(name for name in os.listdir(args.output_dir) if name in ("checkpoint.pth", "model_best.pth")
                   or name.startswith(CHECKPOINT_PREFIXES))
     if used and not args.resume:
@@ -657,10 +720,9 @@ def build_datasets(args):
             raise UsageError("--data-backend dali reads image files: pass --data DIR, not --dummy")
         import_dali()  # here, before the rendezvous: without DALI every rank fails at once
     if args.dummy:
-        shape, val_count = (3, args.image_size, args.image_size), max(1, args.dummy_samples // 10)
-        return (datasets.FakeData(args.dummy_samples, shape, 1000, transforms.PILToTensor()),
-                datasets.FakeData(val_count, shape, 1000, transforms.PILToTensor(), random_offset=args.dummy_samples),
-                1000)
+        val_count = max(1, args.dummy_samples // 10)
+        return (SyntheticImages(args.dummy_samples, args.image_size, 1000),
+                SyntheticImages(val_count, args.image_size, 1000, offset=args.dummy_samples), 1000)
     if not args.data:
         raise UsageError("no dataset: pass --data DIR (with DIR/train and DIR/val) or --dummy")
     for split in ("train", "val"):
@@ -734,6 +796,26 @@ def build_model(args, num_classes):
             raise UsageError(f"--image-size {args.image_size} is too small for --arch {args.arch} "
                              f"({str(e).splitlines()[0]}): pass a larger one") from None
     return models.get_model(args.arch, **kwargs)
+
+
+class SyntheticImages(torch.utils.data.Dataset):
+    """--dummy: `count` random uint8 CHW images (as the image loaders give) and labels,
+    each drawn from a CPU generator seeded by its index: the same sample at any world size, worker count or
+    restart, and no GPU work (torchvision's FakeData calls torch.manual_seed per sample, which seeds every GPU)."""
+
+    def __init__(self, count, image_size, num_classes, offset=0):
+        self.count, self.shape, self.num_classes, self.offset = count, (3, image_size, image_size), num_classes, offset
+
+    def __len__(self):
+        return self.count
+
+    def __getitem__(self, index):
+        if not 0 <= index < self.count:
+            raise IndexError(f"sample {index} of {self.count}")
+        generator = torch.Generator().manual_seed(self.offset + index)
+        image = torch.randint(0, 256, self.shape, dtype=torch.uint8, generator=generator)
+        label = int(torch.randint(self.num_classes, (), generator=generator))
+        return image, label
 
 
 class SampleSeeded(torch.utils.data.Dataset):
@@ -914,8 +996,12 @@ class DaliLoader:
                                  "or unsupported file? --data-backend torch names it") from None
             # Zero-copy, as DALI's own DALIGenericIterator does with its default dynamic executor: the outputs
             # stay alive while torch holds them, and from_dlpack makes DALI's GPU work ready on torch's stream.
+            # The labels are copied out of DALI's host buffer, which it may reuse before to_device's
+            # non_blocking copy has read it. The device is set for from_dlpack only, not for the step that
+            # runs while this generator waits at its yield.
             with self.device:
-                yield torch.from_dlpack(images.as_tensor()), torch.from_dlpack(labels.as_tensor())
+                batch = torch.from_dlpack(images.as_tensor()), torch.from_dlpack(labels.as_tensor()).clone()
+            yield batch
 
 
 class AverageMeter:
@@ -1033,6 +1119,10 @@ def intact(paths):
     """paths, less those whose files differ from the digest written beside them, each left out with one
     line. torch.load finds a cut-short file, not a flipped bit: its zip reader checks no CRC (tested)."""
     for path in paths:
+        if os.path.isdir(path) and not os.path.isfile(path + ".sha256"):
+            # Written in place (DeepSpeed's tags): the digest comes last, so without it the save was cut short.
+            log(f"=> checkpoint '{path}' is incomplete (no .sha256 beside it: its save did not finish): skipping it")
+            continue
         if os.path.isfile(path + ".sha256"):
             with open(path + ".sha256") as f:
                 if f.read().strip() != digest(path):

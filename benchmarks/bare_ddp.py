@@ -14,13 +14,12 @@ throughput by this loop's on the same model, synthetic data, world size and glob
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torchvision.datasets as datasets
 import torchvision.models as models
-import torchvision.transforms as transforms
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
@@ -47,8 +46,10 @@ def main():
     dist.init_process_group(dist.get_default_backend_for_device(device))
     world, rank = dist.get_world_size(), dist.get_rank()
 
-    # The synthetic images the trainers' --dummy reads.
-    data = datasets.FakeData(args.dummy_samples, (3, args.image_size, args.image_size), 1000, transforms.ToTensor())
+    # The synthetic uint8 images the trainers' --dummy reads, normalised on the device as theirs are.
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from distributed import SyntheticImages, to_device
+    data = SyntheticImages(args.dummy_samples, args.image_size, 1000)
     sampler = torch.utils.data.distributed.DistributedSampler(data, drop_last=True)
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size // world, sampler=sampler, drop_last=True,
                                          num_workers=args.workers, pin_memory=device.type != "cpu")
@@ -62,7 +63,7 @@ def main():
         images_seen = 0
         start = time.perf_counter()
         for images, target in loader:
-            images, target = images.to(device, non_blocking=True), target.to(device, non_blocking=True)
+            images, target = to_device(images, target, device)
             loss = criterion(model(images), target)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

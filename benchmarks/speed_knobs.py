@@ -22,20 +22,27 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-BF16 = any(torch.cpu.get_capabilities().get(isa) for isa in ("avx512_bf16", "amx_bf16"))
-# (name, script, flags); apex_distributed.py's autocast is off (float32) unless a row turns it on.
+GPU = torch.cuda.is_available()  # the trainers train on the GPUs where torch sees them, else on the CPU
+BF16 = (torch.cuda.is_bf16_supported(including_emulation=False) if GPU
+        else any(torch.cpu.get_capabilities().get(isa) for isa in ("avx512_bf16", "amx_bf16")))
+# The "all of them" row's autocast: apex_distributed.py's default dtype there (fp16 on GPUs).
+FAST = ("float16", "fp16") if GPU else ("bfloat16", "bf16")
+# (name, script, flags); apex_distributed.py's autocast is off (float32) and channels_last off unless a row
+# turns it on (its default, auto, turns it on on GPUs: every row would measure it).
+PLAIN = ["--amp-dtype", "float32", "--channels-last", "off"]
 CONFIGS = [
     ("distributed.py", "distributed.py", []),
-    ("amp: bf16 autocast" if BF16 else "amp: bf16 autocast (emulated here)", "apex_distributed.py",
-     ["--amp-dtype", "bfloat16"]),
-    ("amp: --compile", "apex_distributed.py", ["--amp-dtype", "float32", "--compile"]),
-    ("amp: --grad-compression bf16", "apex_distributed.py", ["--amp-dtype", "float32", "--grad-compression", "bf16"]),
-    ("amp: --grad-compression fp16", "apex_distributed.py", ["--amp-dtype", "float32", "--grad-compression", "fp16"]),
+    *([("amp: fp16 autocast + GradScaler", "apex_distributed.py", ["--amp-dtype", "float16", "--channels-last", "off"])]
+      if GPU else []),
+    *([("amp: bf16 autocast" + ("" if BF16 else " (emulated here)"), "apex_distributed.py",
+        ["--amp-dtype", "bfloat16", "--channels-last", "off"])] if BF16 or not GPU else []),
+    ("amp: --compile", "apex_distributed.py", PLAIN + ["--compile"]),
+    ("amp: --grad-compression bf16", "apex_distributed.py", PLAIN + ["--grad-compression", "bf16"]),
+    ("amp: --grad-compression fp16", "apex_distributed.py", PLAIN + ["--grad-compression", "fp16"]),
     ("amp: --channels-last on", "apex_distributed.py", ["--amp-dtype", "float32", "--channels-last", "on"]),
-    ("amp: all of them (bf16 compression)", "apex_distributed.py",
-     ["--amp-dtype", "bfloat16", "--compile", "--grad-compression", "bf16", "--channels-last", "on"]),
+    (f"amp: all of them ({FAST[1]} autocast, bf16 compression)", "apex_distributed.py",
+     ["--amp-dtype", FAST[0], "--compile", "--grad-compression", "bf16", "--channels-last", "on"]),
 ]
-
 
 def run(script, flags, workload, nproc, out):
     """One training run: its SUMMARY lines (one per epoch)."""
@@ -56,12 +63,13 @@ def main():
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--data", default=str(REPO / "data" / "digits"), help="the demo images (make_demo_data.py)")
     args = parser.parse_args()
+    # No --seed: it switches cudnn.benchmark off (deterministic kernels), which the trainers leave on by default.
     common = ["--image-size", str(args.image_size), "-b", "32", "--epochs", str(args.epochs), "-p", "1000000",
-              "--seed", "0", "-j", "1"]
+              "-j", "1"]
     workloads = {"synthetic (--dummy, 640 images an epoch)": ["--dummy", "--dummy-samples", "640"] + common,
                  f"demo digits ({args.data})": ["--data", args.data, "--min-crop-scale", "0.35"] + common}
     print(f"{args.nproc} processes x 1 thread, resnet18, {args.image_size} px, global batch 32, "
-          f"{args.repeats} alternating repeats; native bf16: {BF16}")
+          f"{args.repeats} alternating repeats; {torch.cuda.get_device_name() if GPU else 'CPU'}, native bf16: {BF16}")
     for workload_name, workload in workloads.items():
         steady, compile_time = {name: [] for name, *_ in CONFIGS}, {name: [] for name, *_ in CONFIGS}
         for _ in range(args.repeats):

@@ -7,7 +7,7 @@
 # PYTHON defaults to <repo>/.venv/bin/python; torch must already be installed in it.
 # Horovod's compiled extension is tied to the exact torch build, so the first run compiles a wheel
 # (minutes) and caches it under
-#   ${HOROVOD_WHEEL_CACHE:-~/.cache/pytorch-distributed-cookbook/horovod}/torch-<version>-<cpu|cuda>-<python tag>/
+#   ${HOROVOD_WHEEL_CACHE:-~/.cache/pytorch-distributed-cookbook/horovod}/torch-<version>-<cpu|cuda<toolkit version>-nccl>-<python tag>/
 # Later runs with the same key just install that wheel (seconds). Delete the directory to force a
 # rebuild. Needs cmake >= 3.21, g++ and make (Debian 12: apt-get install cmake g++ make).
 set -euo pipefail
@@ -25,18 +25,50 @@ if ! torch_version=$("$python" -c 'import torch; print(torch.__version__)' 2>/de
         "python3 -m venv .venv && .venv/bin/pip install torch==2.14.1 torchvision==0.29.1"
 fi
 
-# A CUDA build of torch (the pinned one is) makes Horovod compile its CUDA kernels whenever an nvcc
-# is found, and it then guesses the toolkit root from nvcc's location (/usr/local/bin/nvcc gives
-# /usr/local: "Could NOT find CUDAToolkit"). So point it at the real toolkit where there is one;
-# where there is none, leave the variables unset and it builds CPU-only.
-if [[ -x /usr/local/cuda/bin/nvcc ]]; then
-    variant=cuda-nccl
-    export CUDA_HOME=/usr/local/cuda HOROVOD_CUDA_HOME=/usr/local/cuda
+# CUDA build: on GPUs, a Horovod without CUDA/NCCL all-reduces CUDA gradients through a CPU copy it
+# starts without waiting for backward (mpi_ops_v2.cc, DoAllreduceCudaOnCPU: the ready event is
+# recorded only #if HAVE_GPU), so it trains on stale gradients. So find a CUDA toolkit of torch's
+# CUDA major (its cudart is what Horovod links), where the system or pip (nvidia-cuda-nvcc: nvcc under
+# site-packages/nvidia/cuNN/) put one, and refuse to build CPU-only beside visible GPUs unless
+# HOROVOD_CPU_ONLY=1 asks for it. Horovod guesses the toolkit root from nvcc's location
+# (/usr/local/bin/nvcc gives /usr/local: "Could NOT find CUDAToolkit"), so it is always named.
+torch_cuda=$("$python" -c 'import torch; print(torch.version.cuda or "")')
+toolkit="" toolkit_version="" skipped=()
+if [[ -n $torch_cuda && ${HOROVOD_CPU_ONLY:-0} != 1 ]]; then
+    site=$("$python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+    nvcc_on_path=$(command -v nvcc || true)
+    shopt -s nullglob
+    for root in ${HOROVOD_CUDA_HOME:-} ${CUDA_HOME:-} "$site"/nvidia/cu[0-9]* /usr/local/cuda /usr/local/cuda-[0-9]* \
+                ${nvcc_on_path:+"$(dirname "$(dirname "$(readlink -f "$nvcc_on_path")")")"}; do
+        [[ -x $root/bin/nvcc && -f $root/include/cuda_runtime.h ]] || continue
+        version=$("$root/bin/nvcc" --version | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p')
+        if [[ ${version%%.*} == "${torch_cuda%%.*}" ]]; then
+            toolkit=$root toolkit_version=$version
+            break
+        fi
+        skipped+=("$root (CUDA ${version:-?})")
+    done
+    shopt -u nullglob
+fi
+if [[ -n $toolkit ]]; then
+    variant=cuda$toolkit_version-nccl
+    export CUDA_HOME=$toolkit HOROVOD_CUDA_HOME=$toolkit
     # Horovod's CUDA kernels for the GPU generations this torch build has kernels for (its
-    # get_arch_list: sm_75 ... sm_120 for the pinned cu130 wheel), so Horovod runs wherever torch does.
-    HOROVOD_BUILD_CUDA_CC_LIST=$("$python" -c \
-        'import torch; print(",".join(a[3:] for a in torch.cuda.get_arch_list() if a.startswith("sm_")))')
+    # get_arch_list: sm_75 ... sm_120 for the pinned cu130 wheel) that this nvcc can compile
+    # (--list-gpu-arch), so Horovod runs wherever torch does and an older nvcc does not fail the build.
+    HOROVOD_BUILD_CUDA_CC_LIST=$("$python" -c '
+import sys, torch
+known = {a.split("_", 1)[1] for a in sys.argv[1].split()}
+print(",".join(a[3:] for a in torch.cuda.get_arch_list() if a.startswith("sm_") and a[3:] in known))' \
+        "$("$toolkit/bin/nvcc" --list-gpu-arch)")
+    [[ -n $HOROVOD_BUILD_CUDA_CC_LIST ]] || die "the CUDA $toolkit_version toolkit in $toolkit compiles none of" \
+        "torch's GPU archs ($("$python" -c 'import torch; print(*torch.cuda.get_arch_list())')): install a newer one"
     export HOROVOD_BUILD_CUDA_CC_LIST
+elif [[ -n $torch_cuda && ${HOROVOD_CPU_ONLY:-0} != 1 ]] && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+    die "GPUs are visible (nvidia-smi -L) but no CUDA ${torch_cuda%%.*}.x toolkit (nvcc + headers, the major of" \
+        "torch's CUDA $torch_cuda) was found${skipped[*]:+ (only: ${skipped[*]})}: pip install" \
+        "nvidia-cuda-nvcc==${torch_cuda}.* or set CUDA_HOME to one; HOROVOD_CPU_ONLY=1 builds a CPU-only Horovod," \
+        "which cannot train on the GPUs"
 else
     variant=cpu
 fi
@@ -50,11 +82,11 @@ import torch, horovod
 import horovod.torch as hvd
 with open(os.path.join(os.path.dirname(horovod.__file__), "metadata.json")) as f:
     built_for = json.load(f).get("pytorch")
-nccl_ok = hvd.nccl_built() or sys.argv[2] != "cuda-nccl"
-sys.exit(not (horovod.__version__ == sys.argv[1] and built_for == torch.__version__ and hvd.gloo_built() and nccl_ok))
+gpu_ok = (hvd.cuda_built() and hvd.nccl_built()) or sys.argv[2] == "cpu"
+sys.exit(not (horovod.__version__ == sys.argv[1] and built_for == torch.__version__ and hvd.gloo_built() and gpu_ok))
 EOF
 then
-    echo "horovod $HOROVOD_VERSION already installed for torch $torch_version ($python); nothing to do"
+    echo "horovod $HOROVOD_VERSION already installed for torch $torch_version ($variant${toolkit:+, CUDA toolkit $toolkit}) in $python; nothing to do"
     exit 0
 fi
 
@@ -98,7 +130,7 @@ else
     mkdir -p "$(dirname "$cache_dir")"
     build_dir=$(mktemp -d "$cache_dir.tmp.XXXXXX")
     trap 'rm -rf "$build_dir"' EXIT
-    if [[ $variant == cuda-nccl ]]; then
+    if [[ $variant != cpu ]]; then
         # GPU tensors all-reduced by NCCL, GPU to GPU (without it: device -> host -> Gloo -> device).
         # The torch wheel brings its NCCL (the nvidia-nccl package: header and libnccl.so.2); a link
         # named libnccl.so lets CMake find it. Linked shared, Horovod then uses the very libnccl.so.2
@@ -131,7 +163,7 @@ check=$("$horovodrun" --check-build) || die "horovodrun --check-build failed"
 echo "$check"
 grep -q '\[X\] PyTorch' <<<"$check" || die "horovodrun --check-build does not list PyTorch as available"
 grep -q '\[X\] Gloo' <<<"$check" || die "horovodrun --check-build does not list Gloo as available"
-if [[ $variant == cuda-nccl ]]; then
+if [[ $variant != cpu ]]; then
     grep -q '\[X\] NCCL' <<<"$check" || die "horovodrun --check-build does not list NCCL as available"
 fi
 
@@ -145,4 +177,4 @@ t = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum)
 assert t.item() == 3.0, t
 print('ok', hvd.rank())" || die "2-rank Gloo allreduce smoke test failed"
 
-echo "horovod $HOROVOD_VERSION installed for torch $torch_version ($variant) in $((SECONDS - start)) s"
+echo "horovod $HOROVOD_VERSION installed for torch $torch_version ($variant${toolkit:+, CUDA toolkit $toolkit}) in $((SECONDS - start)) s"

@@ -44,9 +44,19 @@ def test_legacy_local_rank_spellings(flag):
     assert distributed.argument_parser().parse_args([flag]).local_rank == 3
 
 
-def test_dummy_data_runs(tmp_path):
-    r = run(["--dummy", "--dummy-samples", 64, "-b", 16, "--epochs", 1, "--output-dir", tmp_path] + FAST,
-            launcher="torchrun", nproc=2).check()
+def test_dummy_data_runs_and_gpus_torch_cannot_use_are_an_error_unless_cpu(tmp_path):
+    """A fake nvidia-smi lists a GPU that torch does not see (a CUDA_VISIBLE_DEVICES naming no GPU here, as a
+    too old driver would): one error line; --cpu trains on the CPU."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvidia-smi").write_text("#!/bin/sh\necho 535.54.03\n")
+    (tmp_path / "bin" / "nvidia-smi").chmod(0o755)
+    env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": "GPU-00000000-none"}
+    args = ["--dummy", "--dummy-samples", 64, "-b", 16, "--epochs", 1, "--output-dir", tmp_path] + FAST
+    refused = run(args, launcher="torchrun", nproc=2, env=env)
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert refused.returncode != 0 and len(errors) == 1, refused.stderr
+    assert "nvidia-smi lists 1 GPU(s) (driver 535.54.03) but torch" in errors[0] and "--cpu" in errors[0]
+    r = run(args + ["--cpu"], launcher="torchrun", nproc=2, env=env).check()
     assert r.summaries[0]["val_count"] == 6 and r.summaries[0]["images_per_sec"] > 0
 
 

@@ -4,13 +4,14 @@ import os
 import pickle
 import re
 import shutil
+import subprocess
 import sys
 
 import pytest
 import torchvision
 
-from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, REPO, RunsCode, assert_bf16_follows_float32, float64_weights,
-                      load_state, max_abs_diff, resume_mid_epoch, run)
+from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, PYTHON, REPO, RunsCode, assert_bf16_follows_float32,
+                      environment, float64_weights, load_state, max_abs_diff, resume_mid_epoch, run)
 
 sys.path.insert(0, str(REPO))
 import distributed  # noqa: E402  (the reference's state_digest)
@@ -107,6 +108,20 @@ def test_bfloat16_with_batchnorm(tmp_path):
               "--output-dir", tmp_path] + FAST, nproc=1).check()
     assert 0 < r.summaries[0]["train_loss"] < 100
     assert all(t.isfinite().all() for t in load_state(tmp_path / "checkpoint.pth")["state_dict"].values())
+
+
+def test_bfloat16_batchnorm_units_are_one_per_block():
+    """ResNet-50's 53 BatchNorms in 5 float32 units (the stem's and one per stage), beside the 4 stages and
+    the root: 10 units, so 10 all-gathers per forward, not 58."""
+    code = ("import argparse, sys, torch.distributed as dist, torchvision; sys.path.insert(0, sys.argv[1]); "
+            "import fsdp_distributed as f; from torch.distributed.fsdp import FSDPModule; "
+            "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1); "
+            "m = torchvision.models.resnet50(); "
+            "f.shard_model(m, f.init_device_mesh('cpu', (1,)), argparse.Namespace(param_dtype='bfloat16', "
+            "reduce_dtype=None)); "
+            "print(len({id(x._get_fsdp_state()) for x in m.modules() if isinstance(x, FSDPModule)}))")
+    units = subprocess.run([PYTHON, "-c", code, REPO], env=environment(), capture_output=True, text=True)
+    assert units.stdout.split() == ["10"], units.stderr
 
 
 def test_divergence_writes_no_non_finite_shards(tiny_data, tmp_path):

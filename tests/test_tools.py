@@ -1,4 +1,5 @@
-"""statistics.sh on fixture logs, and start.sh's command lines (--dry-run)."""
+"""statistics.sh on fixture logs, start.sh's command lines (--dry-run), gpu_check.sh's refusal without GPUs."""
+import os
 import re
 import shutil
 import subprocess
@@ -84,3 +85,15 @@ def test_imagenet_like_set_matches_imagenet_and_resizes(tmp_path):
     resized = [Image.open(tmp_path / "r" / p.relative_to(tmp_path / "a")) for p in train]
     assert all(min(i.size) == min(288, min(o.size)) for i, o in zip(resized, images))
     assert all(abs(i.width / i.height - o.width / o.height) < 0.01 for i, o in zip(resized, images))
+
+
+def test_gpu_check_refuses_a_machine_without_gpus(tmp_path):
+    """nvidia-smi finds no GPU (as it says on a GPU-less machine, exit 6): one error line, exit 2, before
+    installing anything."""
+    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\necho 'No devices were found'\nexit 6\n")
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    r = subprocess.run(["bash", REPO / "scripts" / "gpu_check.sh"], capture_output=True, text=True,
+                       env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"})
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    assert r.stderr.splitlines() == ["gpu_check.sh: error: no NVIDIA GPU here (nvidia-smi lists none): this checks "
+                                     "GPU machines; on a CPU one run .ci/run"]

@@ -11,7 +11,8 @@ COOKBOOK_SIGNAL_STEP=N   each process sends itself SIGTERM in its N-th optimizer
                          stopping the job would;
 COOKBOOK_RECORD_READS=D  each process appends the path of every file numpy.fromfile reads (the DALI
                          loader's reads) to D/rank<RANK>.txt;
-COOKBOOK_HIDE_DALI=1     nvidia.dali cannot be imported, as where it is not installed.
+COOKBOOK_HIDE_DALI=1     nvidia.dali cannot be imported, as where it is not installed;
+COOKBOOK_CUDA_REPORT=DIR each process writes DIR/<its pid>: whether it started CUDA, as it exits.
 """
 import os
 import signal
@@ -84,3 +85,13 @@ if os.environ.get("COOKBOOK_HIDE_DALI") == "1":
                 raise ModuleNotFoundError(f"No module named '{name}'", name=name)
 
     sys.meta_path.insert(0, HideDali())
+
+if "COOKBOOK_CUDA_REPORT" in os.environ:
+    import atexit
+
+    def report_cuda():
+        # Whether this process started CUDA (torch's lazy init: a context on a GPU), written as it exits.
+        with open(os.path.join(os.environ["COOKBOOK_CUDA_REPORT"], str(os.getpid())), "w") as f:
+            f.write(str(torch.cuda.is_initialized()))
+
+    atexit.register(report_cuda)
