@@ -999,7 +999,8 @@ def intact(paths):
     """paths, less those whose files differ from the digest written beside them, each left out with one
     line. torch.load finds a cut-short file, not a flipped bit: its zip reader checks no CRC (tested)."""
     for path in paths:
-        if os.path.isdir(path) and not os.path.isfile(path + ".sha256"):
+        if (os.path.isdir(path) and os.path.basename(path).startswith(CHECKPOINT_PREFIXES)
+                and not os.path.isfile(path + ".sha256")):
             # Written in place (DeepSpeed's tags): the digest comes last, so without it the save was cut short.
             log(f"=> checkpoint '{path}' is incomplete (no .sha256 beside it: its save did not finish): skipping it")
             continue

@@ -9,9 +9,11 @@ Equivalence is checked against distributed.py on the same 2 processes, in float3
 the suite's float64 hook (ZeRO 1-3 keep a float32 master copy of the weights, and ZeRO 0 refuses float64
 gradients), and in float32 1 process and 2 round differently (conftest.FLOAT64), by 2.3e-4 after EQUIV's
 3 steps on this machine. On the same 2 processes every rank sees DDP's batches through the same kernels:
-ZeRO 0-3 then end bitwise equal to DDP, and 1.2e-7 apart with --grad-accum-steps at ZeRO 2 and 3, which
-reduce each micro-batch's gradients where DDP sums them first (measured). DDP on 2 processes trains the
-single process's weights: test_distributed.py shows it in float64.
+ZeRO 0-3 then end bitwise equal to DDP. With --grad-accum-steps, ZeRO 2 and 3 reduce each micro-batch's
+gradients where DDP sums them first: 1.2e-7 apart after one step, and that rounding can flip a ReLU
+decision lying within it, as between 1 process and 2: 2.5e-4 after EQUIV's 3 steps on its synthetic
+images (measured). DDP on 2 processes trains the single process's weights: test_distributed.py shows it
+in float64.
 """
 import json
 import shutil
@@ -33,6 +35,7 @@ SCRIPT = "deepspeed_distributed.py"
 # DeepSpeed on the same 2 processes as DDP: bitwise or 1.2e-7 measured (the docstring); a real error (a sum
 # for a mean, a lost step or momentum, a batch trained twice) moves the weights by more than 1e-3.
 SAME_PROCESSES_TOLERANCE = 1e-6
+ACCUMULATION_TOLERANCE = 1e-3  # ZeRO 2-3 with accumulation round differently (the docstring): 2.5e-4 measured
 # A step schedule that changes the lr at the epoch boundary, so a resume must restore it exactly; val
 # batches of 8, so every rank evaluates some of the 37 val images at 2 and 3 processes.
 RESUME = ["-b", 32, "--warmup-epochs", 1, "--lr-step-size", 1, "--val-batch-size", 8] + FAST
@@ -168,7 +171,8 @@ def test_zero_trains_ddps_weights(deepspeed_installed, ddp_weights, tmp_path, st
     """conftest's EQUIV workload; ZeRO 2 without accumulation: test_mid_epoch_resume_at_the_same_world_size."""
     r = ds(["--output-dir", tmp_path, "--zero-stage", stage, "--grad-accum-steps", accum] + EQUIV).check()
     assert f"({16 // accum} per process x {accum} micro-batches)" in r.stdout and r.done["ranks_identical"]
-    assert max_abs_diff(weights(tmp_path), ddp_weights(accum)) <= SAME_PROCESSES_TOLERANCE
+    tolerance = ACCUMULATION_TOLERANCE if stage > 1 and accum > 1 else SAME_PROCESSES_TOLERANCE
+    assert max_abs_diff(weights(tmp_path), ddp_weights(accum)) <= tolerance
 
 
 # ---- mid-epoch resume ----
