@@ -283,6 +283,7 @@ def main_worker(args):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(args, max(1, steps_per_epoch)))
     start_epoch, start_step, best_acc1 = resume_training(checkpoint, optimizer, scheduler, train_loader, rank,
                                                          world_size, [device], args)
+    open_metrics(args, start_epoch, start_step, steps_per_epoch)  # rank 0: metrics.jsonl, past steps only
     if checkpoint and checkpoint.get("scaler"):  # absent or empty after runs without fp16 scaling
         scaler.load_state_dict(checkpoint["scaler"])
     if args.evaluate:
@@ -366,6 +367,8 @@ def train(loader, model, criterion, optimizer, scaler, scheduler, epoch, first_s
             log(f"Epoch: [{epoch}][{step + 1:{len(str(steps))}d}/{steps}]  Time {(now - interval_start) / done:6.3f}  "
                 f"Data {interval_wait / done:6.3f}  Loss {metrics['loss']:.4e}  Acc@1 {metrics['acc1']:6.2f}  "
                 f"Acc@5 {metrics['acc5']:6.2f}")
+            record_interval(epoch, step + 1, (now - interval_start) / done, interval_wait / done, metrics,
+                            optimizer.param_groups[0]["lr"])
             interval_start, interval_wait = now, 0.0
             if not math.isfinite(metrics["loss"]):
                 raise diverged(f"the training loss is {metrics['loss']}", epoch, step + 1,
@@ -437,8 +440,10 @@ def log(*args, **kwargs):
 
 
 def summary(kind, **fields):
-    """One machine-readable JSON line (rank 0), for statistics.sh and the tests."""
+    """One machine-readable JSON line (rank 0), for statistics.sh and the tests; in metrics.jsonl too."""
     log(f"{kind} " + json.dumps(fields))
+    # An epoch's SUMMARY comes after its last step: it sits at the next epoch's start (DONE: where training ended).
+    write_metrics(kind, (fields["epoch"] + 1, 0) if kind == "SUMMARY" and "epoch" in fields else METRICS.get("position"), **fields)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -489,7 +494,9 @@ def training_arguments(description):
     add("--momentum", type=number(float, 0, 1), default=0.9, help="SGD momentum")
     add("--wd", "--weight-decay", type=number(float, 0), default=1e-4, dest="weight_decay", help="weight decay")
     add("-p", "--print-freq", type=number(int, 1), default=10, help="print (and reduce metrics) every N steps")
-    add("--output-dir", default="checkpoints", help="where checkpoints are written")
+    add("--output-dir", default="checkpoints", help="where checkpoints and metrics.jsonl are written")
+    add("--tensorboard", action="store_true", help="also write the metrics as TensorBoard event files in "
+        "--output-dir/tensorboard (needs: pip install tensorboard)")
     add("--save-every", type=number(int, 0), default=0, metavar="N",
         help="also checkpoint every N steps (0: at epoch ends only); resumed, it skips the batches trained on")
     add("--keep-checkpoints", type=number(int, 1), default=2, metavar="K",
@@ -603,6 +610,7 @@ def check_output_dir(args):
 
 def claim_output_dir(args):
     """check_output_dir's checks, on rank 0, which then holds --output-dir's lock for the whole run."""
+    check_tensorboard(args)
     try:
         os.makedirs(args.output_dir, exist_ok=True)
         tempfile.TemporaryFile(dir=args.output_dir).close()
@@ -637,6 +645,70 @@ def report_data_stall(data_wait, train_time, args):
             f"{DATA_STALL_SHARE:.0%}): the input pipeline limits this run. Try more loader workers (-j, now "
             f"{args.workers}), --data-backend dali, fewer augmentations, or a resized copy of the data "
             "(tools/resize_dataset.py); benchmarks/input_pipeline.py measures what each costs per core")
+
+
+METRICS = {}  # rank 0's metrics log (open_metrics): its file, where training is, TensorBoard's writer
+
+
+def check_tensorboard(args):
+    if args.tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401 (only to find out whether it imports)
+        except ImportError:
+            raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard "
+                             "(or drop --tensorboard: metrics.jsonl has the same metrics)") from None
+
+
+def open_metrics(args, epoch, step, steps_per_epoch):
+    """Rank 0, once it knows where training starts (epoch, step): --output-dir/metrics.jsonl keeps the
+    records up to there and loses those after it, which a resumed run repeats and would write twice
+    (rewritten atomically); then summary() and record_interval() append to it, one write() a line."""
+    if RANK != 0 or args.evaluate:
+        return
+    path, kept = os.path.join(args.output_dir, "metrics.jsonl"), []
+    if os.path.isfile(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:  # the last line of a run killed while writing it
+                    continue
+                if tuple(record["position"] or (0, 0)) <= (epoch, step):
+                    kept.append(json.dumps(record) + "\n")
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    # O_APPEND and one os.write per record: a line is never interleaved or left half-buffered.
+    METRICS.update(fd=os.open(path, os.O_WRONLY | os.O_APPEND), position=(epoch, step),
+                   steps_per_epoch=max(1, steps_per_epoch))
+    if args.tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+        # purge_step: TensorBoard hides the events a previous run wrote from this step on.
+        METRICS["writer"] = SummaryWriter(os.path.join(args.output_dir, "tensorboard"),
+                                          purge_step=epoch * METRICS["steps_per_epoch"] + step)
+
+
+def write_metrics(kind, position, **fields):
+    """Append one record at training position (epoch, steps done in it) to metrics.jsonl (and TensorBoard)."""
+    if "fd" not in METRICS:
+        return
+    METRICS["position"] = position
+    os.write(METRICS["fd"], (json.dumps({"kind": kind, "position": position, "time": round(time.time(), 3),
+                                         **fields}) + "\n").encode())
+    if "writer" in METRICS:
+        global_step = position[0] * METRICS["steps_per_epoch"] + position[1]
+        for key, value in fields.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                METRICS["writer"].add_scalar(f"{kind.lower()}/{key}", value, global_step)
+        METRICS["writer"].flush()
+
+
+def record_interval(epoch, step, step_time, data_time, metrics, lr):
+    """A print interval's progress line, as a metrics.jsonl record ("train")."""
+    write_metrics("train", (epoch, step), step_time=round(step_time, 4), data_time=round(data_time, 4),
+                  loss=metrics["loss"], acc1=metrics["acc1"], acc5=metrics["acc5"], lr=lr)
 
 
 def load_image(path):

@@ -1,4 +1,6 @@
 """distributed.py under real launchers: launch, distributed math, exact eval, resume, bad input."""
+import importlib.util
+import json
 import os
 import re
 import resource
@@ -212,10 +214,16 @@ def test_mid_epoch_resume_skips_a_damaged_newest_checkpoint_bitwise(tmp_path, si
     """The newest checkpoint cut short (a copy or a file system that lost its tail): --resume auto says
     so in one line and resumes from the one before it, and the run ends bitwise where an uninterrupted
     one does."""
-    resume_mid_epoch(tmp_path, lambda args, env: run(args, env=env), lambda args, env: run(args, env=env),
-                     damaged="checkpoint-epoch0-step2.pth")
+    r = resume_mid_epoch(tmp_path, lambda args, env: run(args, env=env), lambda args, env: run(args, env=env),
+                         damaged="checkpoint-epoch0-step2.pth")
     resumed = float64_weights(tmp_path)
     assert all(torch.equal(resumed[key], single_process_weights[key]) for key in single_process_weights)
+    # metrics.jsonl: the interrupted run logged steps 1 and 2, the resumed one repeated step 2 (its
+    # checkpoint was damaged) and logged step 3: step 2 is there once, from the run that kept it.
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["position"]) for r in records] == [
+        ("train", [0, 1]), ("train", [0, 3]), ("SUMMARY", [1, 0]), ("DONE", [1, 0])], records
+    assert records[2]["val_acc1"] == r.summaries[0]["val_acc1"]
 
 
 def test_an_output_dir_in_use_is_refused(tmp_path):
@@ -367,6 +375,20 @@ def test_data_stall_is_reported(tmp_path):
     stalls = [line for line in r.stdout.splitlines() if line.startswith("=> data stall")]
     assert len(stalls) == 1 and r.summaries[0]["data_wait"] > 0.2, r.stdout
     assert "-j, now 0" in stalls[0] and "--data-backend dali" in stalls[0] and "resize_dataset.py" in stalls[0]
+
+
+def test_tensorboard_writes_event_files_or_says_what_to_install(tiny_data, tmp_path):
+    """--tensorboard: event files beside metrics.jsonl where tensorboard is installed, else one error
+    line naming the pip command, before any training."""
+    r = run(["--data", tiny_data, "-b", 32, "--epochs", 1, "--output-dir", tmp_path, "--tensorboard"] + FAST)
+    if importlib.util.find_spec("tensorboard") is None:
+        assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: --tensorboard needs the "
+                                                                                   "tensorboard package: pip install"), r.stderr
+        assert not (tmp_path / "metrics.jsonl").exists()
+    else:
+        r.check()
+        assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+        assert "SUMMARY" in (tmp_path / "metrics.jsonl").read_text()
 
 
 def test_divergence_stops_at_the_next_progress_line(tiny_data, tmp_path):
