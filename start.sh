@@ -140,6 +140,8 @@ run_method() {  # run_method METHOD: run it, appending to its log, showing its p
         -e 's/^SUMMARY .*"epoch": ([0-9]+).*"images_per_sec": ([0-9.]+).*/   epoch \1: \2 images\/s/' &
     wait $pid || status=$?
     wait
+    # Each repeat's metrics log, kept beside its text log for statistics.sh (the next repeat removes the run's directory).
+    [[ -f $logs/checkpoints/$m/metrics.jsonl ]] && cat "$logs/checkpoints/$m/metrics.jsonl" >>"$logs/$m.metrics.jsonl"
     echo "   $m finished in $(( SECONDS - start )) s (exit $status)"
     (( status == 0 )) || failed+=("$m")
 }
@@ -156,7 +158,7 @@ for m in ${methods//,/ }; do
         echo "== $m: skipped: $skip"
     else
         runnable+=("$m")
-        (( dry_run )) || : >"$logs/$m.log"
+        (( dry_run )) || : >"$logs/$m.log" >"$logs/$m.metrics.jsonl"
     fi
 done
 failed=()

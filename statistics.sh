@@ -5,7 +5,9 @@
 #
 #   bash statistics.sh [LOGDIR]          # default: logs
 #
-# It reads the SUMMARY/DONE JSON lines the trainers print. Each run's first epoch is left out of
+# It reads the SUMMARY/DONE records of each method's metrics log (LOGDIR/<method>.metrics.jsonl, which
+# start.sh collects from the trainers' --output-dir/metrics.jsonl), else the SUMMARY/DONE JSON lines
+# the trainers print (the benchmarks' logs, logs of older runs). Each run's first epoch is left out of
 # s/epoch, images/s and data wait (the share of training time spent waiting for batches; above 0.2
 # the input pipeline limits the run) when later epochs exist (it pays for start-up). Logs with a
 # bare.log and a ceiling.log (from start.sh --benchmark) get columns with each method's images/s over the bare DDP
@@ -45,6 +47,21 @@ def read(path):
                 errors.append(f"unreadable {kind} line")
             if line.startswith("error:"):
                 errors.append(line.strip())
+    metrics = path[:-len(".log")] + ".metrics.jsonl"
+    if os.path.isfile(metrics) and os.path.getsize(metrics):
+        summaries, done = [], None
+        with open(metrics) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    errors.append("unreadable metrics.jsonl line")
+                    continue
+                fields = {k: v for k, v in record.items() if k not in ("kind", "position", "time")}
+                if record["kind"] == "SUMMARY":
+                    summaries.append(fields)
+                elif record["kind"] == "DONE":
+                    done = fields
     return summaries, done, errors
 
 

@@ -1,4 +1,5 @@
 """statistics.sh on fixture logs, and start.sh's command lines (--dry-run)."""
+import json
 import re
 import shutil
 import subprocess
@@ -31,6 +32,26 @@ def test_statistics_table_from_fixture_logs(tmp_path):
     assert "amp: partial (no DONE line" in r.stdout
     assert "horovod: no summary line (error: global batch -b 1 must be a multiple" in r.stdout  # under horovodrun's prefix
     assert (logs / "summary.md").read_text().startswith("| method |")
+
+
+def test_statistics_reads_the_metrics_log(tmp_path):
+    """With ddp.metrics.jsonl beside it, the ddp row comes from its records: the same row as from the
+    text log's lines, which are removed here so that only the metrics log can have given it."""
+    logs = shutil.copytree(REPO / "tests" / "fixtures" / "logs", tmp_path / "logs")
+    text = (logs / "ddp.log").read_text().splitlines(keepends=True)
+    with open(logs / "ddp.metrics.jsonl", "w") as f:
+        for line in text:
+            kind, _, payload = line.partition(" ")
+            if kind in ("SUMMARY", "DONE"):
+                fields = json.loads(payload)
+                position = [fields["epoch"] + 1, 0] if kind == "SUMMARY" else None
+                f.write(json.dumps({"kind": kind, "position": position, "time": 0, **fields}) + "\n")
+                f.write(json.dumps({"kind": "train", "position": [0, 1], "time": 0, "loss": 1.0}) + "\n")
+    (logs / "ddp.log").write_text("".join(line for line in text if not line.startswith(("SUMMARY", "DONE"))))
+    r = bash("statistics.sh", logs)
+    assert r.returncode == 0, r.stderr
+    assert "| ddp | torchrun | 2 | cpu | 3 | 14.5 | 145.0 | 2.13 | 96.1 | 0.01 | 0.906 | 0.725 |" in r.stdout
+    assert "ddp: partial" not in r.stdout
 
 
 def test_statistics_reports_missing_logs(tmp_path):
