@@ -169,9 +169,28 @@ def test_exact_evaluation_at_any_world_size(tiny_data, tmp_path):
     assert results[1] == results[2] == results[3]
 
 
+def profiles(r, out, nproc, steps):
+    """A --profile run's PROFILE lines, one per rank, after checking that each rank's trace parses, holds
+    the profiled steps, and that the split's parts are disjoint: none negative, summing to the step."""
+    records = sorted((json.loads(line.partition(" ")[2]) for line in r.stdout.splitlines()
+                      if line.startswith("PROFILE ")), key=lambda p: p["rank"])
+    assert [p["rank"] for p in records] == list(range(nproc)), r.stdout
+    for p in records:
+        events = json.loads((Path(out) / f"trace-rank{p['rank']}.json").read_text())["traceEvents"]
+        assert len([e for e in events if e.get("name", "").startswith("ProfilerStep#")]) == steps
+        parts = [p[k] for k in ("compute", "comm_exposed", "data_wait", "optimizer", "other")]
+        assert min(parts + [p["comm_overlapped"]]) >= 0 and abs(sum(parts) - p["step"]) <= 0.01, p
+        assert p["other"] < 0.5 * p["step"], p  # on the CPU, the ops cover the step but for gaps between them
+    return records
+
+
 def test_resume_is_bitwise(tiny_data, tmp_path):
     args = ["--data", tiny_data, "-b", 32, "--warmup-epochs", 1, "--lr-step-size", 1] + FAST
-    run(args + ["--epochs", 2, "--output-dir", tmp_path / "straight"], launcher="torchrun", nproc=2).check()
+    # Profiled (steps 1 and 2, of epoch 0): the profiler only observes, the weights stay bitwise those of the split run.
+    r = run(args + ["--epochs", 2, "--output-dir", tmp_path / "straight", "--profile", "1:2"], launcher="torchrun",
+            nproc=2).check()
+    for p in profiles(r, tmp_path / "straight", 2, 2):
+        assert p["comm_exposed"] + p["comm_overlapped"] > 0, p  # DDP's all-reduces, on gloo's threads
     run(args + ["--epochs", 1, "--output-dir", tmp_path / "split"], launcher="torchrun", nproc=2).check()
     r = run(args + ["--epochs", 2, "--output-dir", tmp_path / "split", "--resume", "auto"],
             launcher="torchrun", nproc=2).check()
@@ -371,7 +390,10 @@ def test_data_stall_is_reported(tmp_path):
     subprocess.run([PYTHON, REPO / "tools" / "make_imagenet_like.py", "--out", tmp_path / "d", "--train-count", "64",
                     "--val-count", "8", "--classes", "2"], check=True, capture_output=True)
     r = run(["--data", tmp_path / "d", "-a", "mobilenet_v3_small", "-b", 32, "--epochs", 1,
-             "--output-dir", tmp_path / "ckpt"] + FAST).check()
+             "--output-dir", tmp_path / "ckpt", "--profile", "1:2"] + FAST).check()
+    # Profiled: one process has no communication at all, and the trace sees the loader's wait too.
+    (p,) = profiles(r, tmp_path / "ckpt", 1, 2)
+    assert p["comm_exposed"] == p["comm_overlapped"] == 0 and p["data_wait"] > 0.2 * p["step"], p
     stalls = [line for line in r.stdout.splitlines() if line.startswith("=> data stall")]
     assert len(stalls) == 1 and r.summaries[0]["data_wait"] > 0.2, r.stdout
     assert "-j, now 0" in stalls[0] and "--data-backend dali" in stalls[0] and "resize_dataset.py" in stalls[0]
@@ -412,6 +434,24 @@ def test_divergence_stops_at_the_next_progress_line(tiny_data, tmp_path):
     assert (tmp_path / "model_best.pth").read_bytes() == best
     state = load_state(tmp_path / "checkpoint.pth")["state_dict"]
     assert all(t.isfinite().all() for t in state.values() if t.is_floating_point())
+
+
+def test_step_split_of_a_known_timeline():
+    """step_split on a hand-made trace (microseconds): a 100 us step, data 0-10, compute 10-50 and 60-70,
+    a gloo all-reduce 40-65 (15 under compute, 10 exposed), the optimizer 80-95 with an op inside it."""
+    main, gloo = {"pid": 1, "tid": 1}, {"pid": 1, "tid": 2}
+
+    def op(name, start, end, thread=main, cat="cpu_op"):
+        return {"ph": "X", "name": name, "cat": cat, "ts": start, "dur": end - start, **thread}
+    events = [{"ph": "M", "name": "thread_name", "args": {"name": "thread 2 (pt_gloo_runloop)"}, **gloo},
+              op("ProfilerStep#0", 0, 100, cat="user_annotation"),
+              op("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", 0, 10, cat="user_annotation"),
+              op("aten::copy_", 2, 8), op("aten::convolution", 10, 50), op("aten::mul", 20, 30), op("aten::add", 60, 70),
+              op("gloo:all_reduce", 40, 65, thread=gloo), op("Optimizer.step#SGD.step", 80, 95, cat="user_annotation"),
+              op("aten::_fused_sgd_", 82, 90)]
+    assert distributed.step_split(events) == {"step": 100, "compute": 50, "comm_exposed": 10, "comm_overlapped": 15,
+                                              "data_wait": 10, "optimizer": 15, "other": 15}
+    assert distributed.step_split([op("ProfilerStep#0", 0, 100, cat="user_annotation")])["other"] == 100
 
 
 # ---- bad input: one clear line, non-zero exit, no traceback ----
