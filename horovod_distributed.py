@@ -143,6 +143,7 @@ def main_worker(args):
     log(f"=> {METHOD}: world size {world_size}, device {device.type}, arch {args.arch}, global batch "
         f"{args.batch_size} ({micro_batch} per process x {args.grad_accum_steps} micro-batches), "
         f"launcher {launcher_name(args)}")
+    report_communication(model, world_size, ("all_reduce", "fp16" if args.fp16_allreduce else None, 1))
 
     # Every rank must shuffle with the same seed, or their shares would not partition the data: rank
     # 0's, and a resumed run's is the checkpoint's, so that its epoch's order is the interrupted one.
@@ -595,6 +596,26 @@ def record_interval(epoch, step, step_time, data_time, metrics, lr):
     """A print interval's progress line, as a metrics.jsonl record ("train")."""
     write_metrics("train", (epoch, step), step_time=round(step_time, 4), data_time=round(data_time, 4),
                   loss=metrics["loss"], acc1=metrics["acc1"], acc5=metrics["acc5"], lr=lr)
+
+
+def report_communication(model, world_size, *collectives):
+    """Log (rank 0) and return the bytes each rank sends per optimizer step. collectives: (kind, dtype,
+    count per step), kind an all_reduce, all_gather or reduce_scatter of every trainable parameter (or
+    its gradient) in dtype (a torch dtype's name, fp16/bf16, or None/"none": the parameter's own).
+    Ring algorithms' costs (NCCL's and gloo's for large tensors): of B bytes, an all-reduce sends
+    2(N-1)/N B from each rank, an all-gather or a reduce-scatter (N-1)/N B. BatchNorm buffers and the
+    metrics' few numbers are left out."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    numel = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3 partitions keep the full size in ds_numel
+    sent, what = 0, []
+    for kind, dtype, count in collectives if world_size > 1 else []:
+        dtype = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}.get(dtype, dtype)) if dtype not in (None, "none") else None
+        size = sum(getattr(p, "ds_numel", p.numel()) * (dtype or p.dtype).itemsize for p in params)
+        sent += count * (2 if kind == "all_reduce" else 1) * (world_size - 1) * size // world_size
+        what.append(f"{count} x {kind} in {str(dtype or params[0].dtype).removeprefix('torch.')}")
+    log(f"=> communication: {sent:,} bytes ({sent / 2 ** 20:.1f} MiB) sent by each rank per optimizer step"
+        + (f" ({' + '.join(what)} of {numel:,} parameters, ring algorithms)" if what else " (one process)"))
+    return sent
 
 
 def step_range(text):

@@ -21,7 +21,7 @@ SHARED_HELPERS = ["UsageError", "LocalError", "report", "log", "summary", "Argum
                   "training_arguments", "seed_everything", "Stopped", "stop_on_signals", "ignore_stop_signals",
                   "diverged", "check_finite", "pick_device", "check_batch", "check_output_dir", "claim_output_dir",
                   "report_data_stall", "check_tensorboard", "open_metrics", "write_metrics",
-                  "record_interval", "step_range", "start_profile", "profile_step", "report_profile", "union",
+                  "record_interval", "report_communication", "step_range", "start_profile", "profile_step", "report_profile", "union",
                   "intersect", "subtract", "length", "step_split", "load_image", "build_datasets", "normalization", "to_device", "build_model",
                   "SampleSeeded", "ResumableSampler", "shard_batches", "build_loaders", "import_dali", "DaliLoader",
                   "AverageMeter", "correct_counts", "lr_schedule", "rng_state", "set_rng_state", "to_cpu",

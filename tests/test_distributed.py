@@ -1,6 +1,7 @@
 """distributed.py under real launchers: launch, distributed math, exact eval, resume, bad input."""
 import importlib.util
 import json
+import math
 import os
 import re
 import resource
@@ -191,6 +192,14 @@ def test_resume_is_bitwise(tiny_data, tmp_path):
             nproc=2).check()
     for p in profiles(r, tmp_path / "straight", 2, 2):
         assert p["comm_exposed"] + p["comm_overlapped"] > 0, p  # DDP's all-reduces, on gloo's threads
+    # The volume the first lines state, computed from the model, is what the trace's all-reduces carried:
+    # DDP's float32 gradient buckets, of which a ring all-reduce sends 2(N-1)/N from each rank.
+    sent = int(re.search(r"=> communication: ([\d,]+) bytes", r.stdout)[1].replace(",", ""))
+    events = json.loads((tmp_path / "straight" / "trace-rank0.json").read_text())["traceEvents"]
+    steps = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name", "").startswith("ProfilerStep#")]
+    numel = sum(math.prod(dims) for e in events if e.get("name") == "c10d::allreduce_"
+                and any(start <= e["ts"] < end for start, end in steps) for dims in e["args"]["Input Dims"][0])
+    assert numel > 0 and sent == 2 * (2 - 1) * numel * 4 // 2 // len(steps), (sent, numel)
     run(args + ["--epochs", 1, "--output-dir", tmp_path / "split"], launcher="torchrun", nproc=2).check()
     r = run(args + ["--epochs", 2, "--output-dir", tmp_path / "split", "--resume", "auto"],
             launcher="torchrun", nproc=2).check()
@@ -394,6 +403,7 @@ def test_data_stall_is_reported(tmp_path):
     # Profiled: one process has no communication at all, and the trace sees the loader's wait too.
     (p,) = profiles(r, tmp_path / "ckpt", 1, 2)
     assert p["comm_exposed"] == p["comm_overlapped"] == 0 and p["data_wait"] > 0.2 * p["step"], p
+    assert "=> communication: 0 bytes (0.0 MiB) sent by each rank per optimizer step (one process)" in r.stdout
     stalls = [line for line in r.stdout.splitlines() if line.startswith("=> data stall")]
     assert len(stalls) == 1 and r.summaries[0]["data_wait"] > 0.2, r.stdout
     assert "-j, now 0" in stalls[0] and "--data-backend dali" in stalls[0] and "resize_dataset.py" in stalls[0]
