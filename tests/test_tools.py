@@ -47,10 +47,15 @@ def test_statistics_reads_the_metrics_log(tmp_path):
                 position = [fields["epoch"] + 1, 0] if kind == "SUMMARY" else None
                 f.write(json.dumps({"kind": kind, "position": position, "time": 0, **fields}) + "\n")
                 f.write(json.dumps({"kind": "train", "position": [0, 1], "time": 0, "loss": 1.0}) + "\n")
-    (logs / "ddp.log").write_text("".join(line for line in text if not line.startswith(("SUMMARY", "DONE"))))
+    # A --profile run's lines, one per rank: the table's last column is the median of their exposed shares.
+    profiles = [f'PROFILE {{"rank": {rank}, "step": 200.0, "comm_exposed": {exposed}}}\n'
+                for rank, exposed in enumerate((30.0, 50.0))]
+    (logs / "ddp.log").write_text("".join(line for line in text if not line.startswith(("SUMMARY", "DONE")))
+                                  + "".join(profiles))
     r = bash("statistics.sh", logs)
     assert r.returncode == 0, r.stderr
-    assert "| ddp | torchrun | 2 | cpu | 3 | 14.5 | 145.0 | 2.13 | 96.1 | 0.01 | 0.906 | 0.725 |" in r.stdout
+    assert "| ddp | torchrun | 2 | cpu | 3 | 14.5 | 145.0 | 2.13 | 96.1 | 0.01 | 0.906 | 0.725 | 0.20 |" in r.stdout
+    assert "exposed comm |" in r.stdout and "| dp | none | 1 | cpu | 3 | 21.0 |" in r.stdout
     assert "ddp: partial" not in r.stdout
 
 
@@ -70,8 +75,11 @@ def test_start_dry_run_names_every_method(tmp_path):
     assert "--epochs 3" in r.stdout and "--data data/digits" in r.stdout
     r = bash("start.sh", "--methods", "ddp,nope", "--dry-run")
     assert r.returncode == 2 and "unknown method 'nope'" in r.stderr
-    r = bash("start.sh", "--dry-run", "--benchmark", "--repeats", 1, "--methods", "ddp", "--logs", tmp_path)
+    r = bash("start.sh", "--dry-run", "--benchmark", "--repeats", 1, "--methods", "ddp", "--logs", tmp_path,
+             "--profile", "3:6")
     assert re.search(r"== ceiling \(run 1/1\): \S*/torchrun .* benchmarks/bare_ddp.py .* --no-communication", r.stdout)
+    assert "--no-communication --profile" not in r.stdout and "distributed.py" in r.stdout
+    assert all("--profile 3:6 --output-dir" in line for line in r.stdout.splitlines() if "distributed.py" in line)
     assert not list(tmp_path.glob("*.log")), "a dry run writes no logs"
 
 
