@@ -946,12 +946,13 @@ def length(intervals):
     return sum(end - start for start, end in intervals)
 
 
-def step_split(events):
+def step_split(events, with_intervals=False):
     """Split the recorded steps' time (Chrome trace events, microseconds) into disjoint parts: data wait
     (the loader's __next__), optimizer (Optimizer.step/zero_grad), compute (CPU ops of the training
     threads; on GPUs: kernels other than NCCL's), exposed communication (collectives running while none
     of those run: gloo's threads, c10d ops, NCCL kernels) and other (Python, launches, idle); plus the
-    communication overlapped with compute. Each instant of a step counts once, in the first part that covers it."""
+    communication overlapped with compute. Each instant of a step counts once, in the first part that covers it.
+    with_intervals: also the (start, end) intervals of each part (tools/plot_profile.py draws them)."""
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name"}
     kinds = {name: [] for name in ("steps", "data", "optimizer", "cpu", "cpu_comm", "gpu", "gpu_comm")}
     for e in events:
@@ -980,11 +981,11 @@ def step_split(events):
     compute = subtract(intersect(steps, compute), busy)
     comm = subtract(intersect(steps, comm), busy)
     exposed = subtract(comm, compute)
-    parts = {"step": length(steps), "compute": length(compute), "comm_exposed": length(exposed),
-             "comm_overlapped": length(comm) - length(exposed), "data_wait": length(data),
-             "optimizer": length(optimizer)}
+    intervals = {"step": steps, "compute": compute, "comm_exposed": exposed, "comm_overlapped": intersect(comm, compute),
+                 "data_wait": data, "optimizer": optimizer}
+    parts = {key: length(value) for key, value in intervals.items()}
     parts["other"] = parts["step"] - parts["compute"] - parts["comm_exposed"] - parts["data_wait"] - parts["optimizer"]
-    return parts
+    return (parts, intervals) if with_intervals else parts
 
 
 def load_image(path):

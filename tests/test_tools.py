@@ -3,6 +3,7 @@ import json
 import re
 import shutil
 import subprocess
+from xml.etree import ElementTree
 
 from conftest import PYTHON, REPO
 
@@ -63,6 +64,32 @@ def test_statistics_reports_missing_logs(tmp_path):
     assert bash("statistics.sh", tmp_path / "none").returncode == 2
     r = bash("statistics.sh", tmp_path)
     assert r.returncode == 1 and "no usable logs" in r.stdout
+
+
+def test_plot_profile_draws_each_part_of_a_trace(tmp_path):
+    """tools/plot_profile.py on a hand-made trace: one lane per part, with the shares step_split gives
+    (a 100 us step: data 10, compute 40, a gloo all-reduce 40-65 of which 10 exposed, optimizer 15)."""
+    main, gloo = {"pid": 1, "tid": 1}, {"pid": 1, "tid": 2}
+
+    def op(name, start, end, thread=main, cat="cpu_op"):
+        return {"ph": "X", "name": name, "cat": cat, "ts": start, "dur": end - start, **thread}
+    events = [{"ph": "M", "name": "thread_name", "args": {"name": "thread 2 (pt_gloo_runloop)"}, **gloo},
+              op("ProfilerStep#0", 0, 100, cat="user_annotation"),
+              op("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", 0, 10, cat="user_annotation"),
+              op("aten::convolution", 10, 50), op("gloo:all_reduce", 40, 65, thread=gloo),
+              op("Optimizer.step#SGD.step", 80, 95, cat="user_annotation")]
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": events}))
+    r = subprocess.run([PYTHON, REPO / "tools" / "plot_profile.py", tmp_path / "trace.json", "--out", tmp_path / "t.svg"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    root = ElementTree.parse(tmp_path / "t.svg").getroot()
+    labels = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")]
+    for label in ("data wait 10%", "compute 40%", "communication, overlapped 10%", "communication, exposed 15%",
+                  "optimizer 15%"):
+        assert label in labels, labels
+    r = subprocess.run([PYTHON, REPO / "tools" / "plot_profile.py", tmp_path / "t.svg", "--out", tmp_path / "x.svg"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.startswith("error: cannot read a Chrome trace"), r.stderr
 
 
 def test_start_dry_run_names_every_method(tmp_path):
