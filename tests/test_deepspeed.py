@@ -126,7 +126,7 @@ def test_checkpoint_layout(straight):
     """The newest 2 DeepSpeed checkpoints (ZeRO 3: each rank's weights and optimizer state), `latest`
     naming the newest, DeepSpeed's own recovery scripts, and the single-file exports with their best copy."""
     out = straight[1]
-    assert {p.name for p in out.iterdir()} == {".lock", "latest", "model_best.pth", "zero_to_fp32.py",
+    assert {p.name for p in out.iterdir()} == {".lock", "latest", "metrics.jsonl", "model_best.pth", "zero_to_fp32.py",
                                                "zero_to_torch.py"} | {
         name + suffix for name in ("ds-epoch1", "ds-epoch2", "checkpoint.pth", "checkpoint-epoch1.pth",
                                    "checkpoint-epoch2.pth") for suffix in ("", ".sha256")}
