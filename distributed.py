@@ -366,7 +366,8 @@ def summary(kind, **fields):
     """One machine-readable JSON line (rank 0), for statistics.sh and the tests; in metrics.jsonl too."""
     log(f"{kind} " + json.dumps(fields))
     # An epoch's SUMMARY comes after its last step: it sits at the next epoch's start (DONE: where training ended).
-    write_metrics(kind, (fields["epoch"] + 1, 0) if kind == "SUMMARY" and "epoch" in fields else METRICS.get("position"), **fields)
+    position = (fields["epoch"] + 1, 0) if kind == "SUMMARY" and "epoch" in fields else METRICS.get("position")
+    write_metrics(kind, position, **fields)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -648,7 +649,8 @@ def report_communication(model, world_size, *collectives):
     numel = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3 partitions keep the full size in ds_numel
     sent, what = 0, []
     for kind, dtype, count in collectives if world_size > 1 else []:
-        dtype = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}.get(dtype, dtype)) if dtype not in (None, "none") else None
+        name = {"fp16": "float16", "bf16": "bfloat16", "none": None}.get(dtype, dtype)
+        dtype = getattr(torch, name) if name else None
         size = sum(getattr(p, "ds_numel", p.numel()) * (dtype or p.dtype).itemsize for p in params)
         sent += count * (2 if kind == "all_reduce" else 1) * (world_size - 1) * size // world_size
         what.append(f"{count} x {kind} in {str(dtype or params[0].dtype).removeprefix('torch.')}")
@@ -673,10 +675,12 @@ def start_profile(args, device, epoch, step, steps_per_epoch):
     if not args.profile or args.evaluate:
         return
     start, stop = args.profile
-    if stop > (args.epochs - epoch) * steps_per_epoch - step:
-        raise UsageError(f"--profile {start}:{stop}: this run has only {(args.epochs - epoch) * steps_per_epoch - step} "
-                         "optimizer steps: lower STOP (or raise --epochs)")
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    steps = (args.epochs - epoch) * steps_per_epoch - step
+    if stop > steps:
+        raise UsageError(f"--profile {start}:{stop}: this run has only {steps} optimizer steps: lower STOP (or "
+                         "raise --epochs)")
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                          if device.type == "cuda" else [])
     path = os.path.join(args.output_dir, f"trace-rank{RANK}.json")
     PROFILE["profiler"] = torch.profiler.profile(
         activities=activities, profile_memory=device.type == "cuda", record_shapes=True,
@@ -757,7 +761,8 @@ def step_split(events, with_intervals=False):
     of those run: gloo's threads, c10d ops, NCCL kernels) and other (Python, launches, idle); plus the
     communication overlapped with compute. Each instant of a step counts once, in the first part that covers it.
     with_intervals: also the (start, end) intervals of each part (tools/plot_profile.py draws them)."""
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e["name"] == "thread_name"}
     kinds = {name: [] for name in ("steps", "data", "optimizer", "cpu", "cpu_comm", "gpu", "gpu_comm")}
     for e in events:
         if e.get("ph") != "X":
@@ -785,8 +790,8 @@ def step_split(events, with_intervals=False):
     compute = subtract(intersect(steps, compute), busy)
     comm = subtract(intersect(steps, comm), busy)
     exposed = subtract(comm, compute)
-    intervals = {"step": steps, "compute": compute, "comm_exposed": exposed, "comm_overlapped": intersect(comm, compute),
-                 "data_wait": data, "optimizer": optimizer}
+    intervals = {"step": steps, "compute": compute, "comm_exposed": exposed,
+                 "comm_overlapped": intersect(comm, compute), "data_wait": data, "optimizer": optimizer}
     parts = {key: length(value) for key, value in intervals.items()}
     parts["other"] = parts["step"] - parts["compute"] - parts["comm_exposed"] - parts["data_wait"] - parts["optimizer"]
     return (parts, intervals) if with_intervals else parts
