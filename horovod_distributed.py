@@ -150,6 +150,7 @@ def main_worker(args):
     log(f"=> {METHOD}: world size {world_size}, device {device.type}, arch {args.arch}, global batch "
         f"{args.batch_size} ({micro_batch} per process x {args.grad_accum_steps} micro-batches), "
         f"launcher {launcher_name(args)}")
+    report_communication(model, world_size, ("all_reduce", "fp16" if args.fp16_allreduce else None, 1))
 
     # Every rank must shuffle with the same seed, or their shares would not partition the data: rank
     # 0's, and a resumed run's is the checkpoint's, so that its epoch's order is the interrupted one.
@@ -178,6 +179,8 @@ def main_worker(args):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(args, max(1, steps_per_epoch)))
     start_epoch, start_step, best_acc1 = resume_training(checkpoint, optimizer, scheduler, train_loader, rank,
                                                          world_size, [device], args)
+    open_metrics(args, start_epoch, start_step, steps_per_epoch)  # rank 0: metrics.jsonl, past steps only
+    start_profile(args, device, start_epoch, start_step, steps_per_epoch)  # --profile: every rank
     # Every rank starts from rank 0's weights (its random init, or the checkpoint), as DDP's
     # constructor would do; Horovod leaves this to the script.
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -255,12 +258,15 @@ def train(loader, model, criterion, optimizer, scheduler, epoch, first_step, ste
         optimizer.step()
         optimizer.zero_grad()  # Horovod's takes no set_to_none; it sets gradients to None, torch's default
         scheduler.step()
+        profile_step()  # --profile: the step boundary of the trace
         if (step + 1) % args.print_freq == 0 or step + 1 == steps:
             metrics = meter.reduced()  # the only host sync: once per print interval
             now, done = time.perf_counter(), min(step % args.print_freq, step - first_step) + 1
             log(f"Epoch: [{epoch}][{step + 1:{len(str(steps))}d}/{steps}]  Time {(now - interval_start) / done:6.3f}  "
                 f"Data {interval_wait / done:6.3f}  Loss {metrics['loss']:.4e}  Acc@1 {metrics['acc1']:6.2f}  "
                 f"Acc@5 {metrics['acc5']:6.2f}")
+            record_interval(epoch, step + 1, (now - interval_start) / done, interval_wait / done, metrics,
+                            optimizer.param_groups[0]["lr"])
             interval_start, interval_wait = now, 0.0
             if not math.isfinite(metrics["loss"]):
                 raise diverged(f"the training loss is {metrics['loss']}", epoch, step + 1,
@@ -325,8 +331,11 @@ def log(*args, **kwargs):
 
 
 def summary(kind, **fields):
-    """One machine-readable JSON line (rank 0), for statistics.sh and the tests."""
+    """One machine-readable JSON line (rank 0), for statistics.sh and the tests; in metrics.jsonl too."""
     log(f"{kind} " + json.dumps(fields))
+    # An epoch's SUMMARY comes after its last step: it sits at the next epoch's start (DONE: where training ended).
+    position = (fields["epoch"] + 1, 0) if kind == "SUMMARY" and "epoch" in fields else METRICS.get("position")
+    write_metrics(kind, position, **fields)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -377,7 +386,9 @@ def training_arguments(description):
     add("--momentum", type=number(float, 0, 1), default=0.9, help="SGD momentum")
     add("--wd", "--weight-decay", type=number(float, 0), default=1e-4, dest="weight_decay", help="weight decay")
     add("-p", "--print-freq", type=number(int, 1), default=10, help="print (and reduce metrics) every N steps")
-    add("--output-dir", default="checkpoints", help="where checkpoints are written")
+    add("--output-dir", default="checkpoints", help="where checkpoints and metrics.jsonl are written")
+    add("--tensorboard", action="store_true", help="also write the metrics as TensorBoard event files in "
+        "--output-dir/tensorboard (needs: pip install tensorboard)")
     add("--save-every", type=number(int, 0), default=0, metavar="N",
         help="also checkpoint every N steps (0: at epoch ends only); resumed, it skips the batches trained on")
     add("--keep-checkpoints", type=number(int, 1), default=2, metavar="K",
@@ -387,6 +398,9 @@ def training_arguments(description):
     add("-e", "--evaluate", action="store_true", help="evaluate the model on val and exit")
     add("--seed", type=number(int, 0), help="seed everything, deterministic kernels (bitwise-reproducible on CPU)")
     add("--cpu", action="store_true", help="use the CPU even if GPUs are visible")
+    add("--profile", type=step_range, metavar="START:STOP",
+        help="torch.profiler records this run's optimizer steps START..STOP (from 1) on every rank: a Chrome "
+             "trace per rank in --output-dir (trace-rank<R>.json) and one line per rank splitting the step time")
     return parser
 
 
@@ -512,6 +526,7 @@ def check_output_dir(args):
 
 def claim_output_dir(args):
     """check_output_dir's checks, on rank 0, which then holds --output-dir's lock for the whole run."""
+    check_tensorboard(args)
     try:
         os.makedirs(args.output_dir, exist_ok=True)
         tempfile.TemporaryFile(dir=args.output_dir).close()
@@ -550,6 +565,229 @@ def report_data_stall(data_wait, train_time, args):
             f"{DATA_STALL_SHARE:.0%}): the input pipeline limits this run. Try more loader workers (-j, now "
             f"{args.workers}), --data-backend dali, fewer augmentations, or a resized copy of the data "
             "(tools/resize_dataset.py); benchmarks/input_pipeline.py measures what each costs per core")
+
+
+METRICS = {}  # rank 0's metrics log (open_metrics): its file, where training is, TensorBoard's writer
+
+
+def check_tensorboard(args):
+    if args.tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401 (only to find out whether it imports)
+        except ImportError:
+            raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard "
+                             "(or drop --tensorboard: metrics.jsonl has the same metrics)") from None
+
+
+def open_metrics(args, epoch, step, steps_per_epoch):
+    """Rank 0, once it knows where training starts (epoch, step): --output-dir/metrics.jsonl keeps the
+    records up to there and loses those after it, which a resumed run repeats and would write twice
+    (rewritten atomically); then summary() and record_interval() append to it, one write() a line."""
+    if RANK != 0 or args.evaluate:
+        return
+    path, kept = os.path.join(args.output_dir, "metrics.jsonl"), []
+    if os.path.isfile(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:  # the last line of a run killed while writing it
+                    continue
+                if tuple(record["position"] or (0, 0)) <= (epoch, step):
+                    kept.append(json.dumps(record) + "\n")
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    # O_APPEND and one os.write per record: a line is never interleaved or left half-buffered.
+    METRICS.update(fd=os.open(path, os.O_WRONLY | os.O_APPEND), position=(epoch, step),
+                   steps_per_epoch=max(1, steps_per_epoch))
+    if args.tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+        # purge_step: TensorBoard hides the events a previous run wrote from this step on.
+        METRICS["writer"] = SummaryWriter(os.path.join(args.output_dir, "tensorboard"),
+                                          purge_step=epoch * METRICS["steps_per_epoch"] + step)
+
+
+def write_metrics(kind, position, **fields):
+    """Append one record at training position (epoch, steps done in it) to metrics.jsonl (and TensorBoard)."""
+    if "fd" not in METRICS:
+        return
+    METRICS["position"] = position
+    os.write(METRICS["fd"], (json.dumps({"kind": kind, "position": position, "time": round(time.time(), 3),
+                                         **fields}) + "\n").encode())
+    if "writer" in METRICS:
+        global_step = position[0] * METRICS["steps_per_epoch"] + position[1]
+        for key, value in fields.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                METRICS["writer"].add_scalar(f"{kind.lower()}/{key}", value, global_step)
+        METRICS["writer"].flush()
+
+
+def record_interval(epoch, step, step_time, data_time, metrics, lr):
+    """A print interval's progress line, as a metrics.jsonl record ("train")."""
+    write_metrics("train", (epoch, step), step_time=round(step_time, 4), data_time=round(data_time, 4),
+                  loss=metrics["loss"], acc1=metrics["acc1"], acc5=metrics["acc5"], lr=lr)
+
+
+def report_communication(model, world_size, *collectives):
+    """Log (rank 0) and return the bytes each rank sends per optimizer step. collectives: (kind, dtype,
+    count per step), kind an all_reduce, all_gather or reduce_scatter of every trainable parameter (or
+    its gradient) in dtype (a torch dtype's name, fp16/bf16, or None/"none": the parameter's own).
+    Ring algorithms' costs (NCCL's and gloo's for large tensors): of B bytes, an all-reduce sends
+    2(N-1)/N B from each rank, an all-gather or a reduce-scatter (N-1)/N B. BatchNorm buffers and the
+    metrics' few numbers are left out."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    numel = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3 partitions keep the full size in ds_numel
+    sent, what = 0, []
+    for kind, dtype, count in collectives if world_size > 1 else []:
+        name = {"fp16": "float16", "bf16": "bfloat16", "none": None}.get(dtype, dtype)
+        dtype = getattr(torch, name) if name else None
+        size = sum(getattr(p, "ds_numel", p.numel()) * (dtype or p.dtype).itemsize for p in params)
+        sent += count * (2 if kind == "all_reduce" else 1) * (world_size - 1) * size // world_size
+        what.append(f"{count} x {kind} in {str(dtype or params[0].dtype).removeprefix('torch.')}")
+    log(f"=> communication: {sent:,} bytes ({sent / 2 ** 20:.1f} MiB) sent by each rank per optimizer step"
+        + (f" ({' + '.join(what)} of {numel:,} parameters, ring algorithms)" if what else " (one process)"))
+    return sent
+
+
+def step_range(text):
+    """argparse type of --profile: START:STOP, 1 <= START <= STOP."""
+    start, _, stop = text.partition(":")
+    if not (start.isdigit() and stop.isdigit() and 1 <= int(start) <= int(stop)):
+        raise argparse.ArgumentTypeError(f"'{text}' is not START:STOP: pass two step numbers, 1 <= START <= STOP")
+    return int(start), int(stop)
+
+
+PROFILE = {}  # --profile's torch.profiler while it runs
+
+
+def start_profile(args, device, epoch, step, steps_per_epoch):
+    """--profile: start torch.profiler, recording nothing before step START (steps of this run from 1)."""
+    if not args.profile or args.evaluate:
+        return
+    start, stop = args.profile
+    steps = (args.epochs - epoch) * steps_per_epoch - step
+    if stop > steps:
+        raise UsageError(f"--profile {start}:{stop}: this run has only {steps} optimizer steps: lower STOP (or "
+                         "raise --epochs)")
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                          if device.type == "cuda" else [])
+    path = os.path.join(args.output_dir, f"trace-rank{RANK}.json")
+    PROFILE["profiler"] = torch.profiler.profile(
+        activities=activities, profile_memory=device.type == "cuda", record_shapes=True,
+        schedule=torch.profiler.schedule(wait=max(start - 2, 0), warmup=min(start - 1, 1), active=stop - start + 1,
+                                         repeat=1),
+        on_trace_ready=lambda profiler: report_profile(profiler, path, args.profile))
+    PROFILE["profiler"].start()
+
+
+def profile_step():
+    """After each optimizer step: the profiler's step boundary; it stops once the trace is written."""
+    if "profiler" in PROFILE:
+        PROFILE["profiler"].step()
+        if PROFILE.get("written"):
+            PROFILE.pop("profiler").stop()
+
+
+def report_profile(profiler, path, steps):
+    """Write this rank's trace, then print its step time split (step_split) as one PROFILE line."""
+    profiler.export_chrome_trace(path)
+    PROFILE["written"] = True
+    with open(path) as f:
+        split = step_split(json.load(f)["traceEvents"])
+    split = {key: round(value / 1000 / (steps[1] - steps[0] + 1), 3) for key, value in split.items()}  # ms per step
+    record = {"rank": RANK, "steps": list(steps), **split, "trace": path}
+    print("PROFILE " + json.dumps(record), flush=True)  # every rank: each has its own timeline
+    write_metrics("PROFILE", METRICS.get("position"), **record)
+
+
+def union(intervals):
+    """Sorted, disjoint (start, end) intervals covering the same time as `intervals`."""
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [tuple(interval) for interval in merged]
+
+
+def intersect(a, b):
+    """The time in both of two unions (as union returns them)."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def subtract(a, b):
+    """The time in a, not in b (both unions)."""
+    out = []
+    for start, end in a:
+        for cut_start, cut_end in b:
+            if cut_end <= start or cut_start >= end:
+                continue
+            if cut_start > start:
+                out.append((start, cut_start))
+            start = max(start, cut_end)
+        if start < end:
+            out.append((start, end))
+    return out
+
+
+def length(intervals):
+    return sum(end - start for start, end in intervals)
+
+
+def step_split(events, with_intervals=False):
+    """Split the recorded steps' time (Chrome trace events, microseconds) into disjoint parts: data wait
+    (the loader's __next__), optimizer (Optimizer.step/zero_grad), compute (CPU ops of the training
+    threads; on GPUs: kernels other than NCCL's), exposed communication (collectives running while none
+    of those run: gloo's threads, c10d ops, NCCL kernels) and other (Python, launches, idle); plus the
+    communication overlapped with compute. Each instant of a step counts once, in the first part that covers it.
+    with_intervals: also the (start, end) intervals of each part (tools/plot_profile.py draws them)."""
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e["name"] == "thread_name"}
+    kinds = {name: [] for name in ("steps", "data", "optimizer", "cpu", "cpu_comm", "gpu", "gpu_comm")}
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        name, category, interval = e["name"], e.get("cat", ""), (e["ts"], e["ts"] + e.get("dur", 0))
+        if name.startswith("ProfilerStep#"):
+            kinds["steps"].append(interval)
+        elif "DataLoader" in name and "__next__" in name:
+            kinds["data"].append(interval)
+        elif name.startswith(("Optimizer.step#", "Optimizer.zero_grad#")):
+            kinds["optimizer"].append(interval)
+        elif category in ("kernel", "gpu_memcpy", "gpu_memset"):
+            kinds["gpu_comm" if "nccl" in name.lower() else "gpu"].append(interval)
+        elif name.startswith(("gloo:", "c10d::")) or "gloo" in threads.get((e["pid"], e["tid"]), ""):
+            kinds["cpu_comm"].append(interval)
+        elif category == "cpu_op":
+            kinds["cpu"].append(interval)
+    # On GPUs the kernels are the work (CPU ops only launch them); on the CPU, the ops of the training threads.
+    gpu = bool(kinds["gpu"] or kinds["gpu_comm"])
+    kinds["compute"], kinds["comm"] = (kinds["gpu"], kinds["gpu_comm"]) if gpu else (kinds["cpu"], kinds["cpu_comm"])
+    steps, data, optimizer, compute, comm = (union(kinds[k]) for k in ("steps", "data", "optimizer", "compute", "comm"))
+    data = intersect(steps, data)
+    optimizer = subtract(intersect(steps, optimizer), data)
+    busy = union(data + optimizer)
+    compute = subtract(intersect(steps, compute), busy)
+    comm = subtract(intersect(steps, comm), busy)
+    exposed = subtract(comm, compute)
+    intervals = {"step": steps, "compute": compute, "comm_exposed": exposed,
+                 "comm_overlapped": intersect(comm, compute), "data_wait": data, "optimizer": optimizer}
+    parts = {key: length(value) for key, value in intervals.items()}
+    parts["other"] = parts["step"] - parts["compute"] - parts["comm_exposed"] - parts["data_wait"] - parts["optimizer"]
+    return (parts, intervals) if with_intervals else parts
 
 
 def load_image(path):

@@ -7,6 +7,8 @@
 #   bash start.sh --dummy                 # synthetic images
 #   bash start.sh --benchmark             # images/s of each method against a bare DDP loop and
 #                                         # against the ceiling: N replicas with no communication
+#   bash start.sh --profile 3:6           # also profile steps 3..6 of each method: trace-rank<R>.json in its
+#                                         # checkpoint directory, its exposed-communication share in the table
 #   bash start.sh --dry-run               # print the commands only
 #
 # One process per GPU when GPUs are visible, else --nproc CPU processes (default 2). Each method
@@ -18,10 +20,10 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 PY=${PYTHON:-.venv/bin/python}
 ALL_METHODS=(dp ddp launch spawn amp horovod slurm fsdp deepspeed)
 methods=$(IFS=,; echo "${ALL_METHODS[*]}")
-data="" dummy=0 epochs=4 nproc="" dry_run=0 benchmark=0 repeats=3 logs=logs
+data="" dummy=0 epochs=4 nproc="" dry_run=0 benchmark=0 repeats=3 logs=logs profile=""
 extra=()
 
-usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 die() { echo "start.sh: error: $*" >&2; exit 2; }
 
 while (( $# )); do
@@ -34,6 +36,7 @@ while (( $# )); do
         --benchmark) benchmark=1; shift ;;
         --repeats) repeats=${2:?}; shift 2 ;;
         --logs) logs=${2:?}; shift 2 ;;
+        --profile) profile=${2:?}; shift 2 ;;
         --dry-run) dry_run=1; shift ;;
         -h|--help) usage ;;
         --) shift; extra=("$@"); break ;;
@@ -121,7 +124,7 @@ method_command() {
     for script in "${cmd[@]}"; do
         [[ $script == *.py && ! -f $script ]] && skip="$script does not exist yet"
     done
-    cmd+=("${recipe[@]}" --output-dir "$out")
+    cmd+=("${recipe[@]}" ${profile:+--profile "$profile"} --output-dir "$out")
 }
 
 run_method() {  # run_method METHOD: run it, appending to its log, showing its per-epoch lines as it goes
@@ -140,6 +143,8 @@ run_method() {  # run_method METHOD: run it, appending to its log, showing its p
         -e 's/^SUMMARY .*"epoch": ([0-9]+).*"images_per_sec": ([0-9.]+).*/   epoch \1: \2 images\/s/' &
     wait $pid || status=$?
     wait
+    # Each repeat's metrics log, kept beside its text log for statistics.sh (the next repeat removes the run's directory).
+    [[ -f $logs/checkpoints/$m/metrics.jsonl ]] && cat "$logs/checkpoints/$m/metrics.jsonl" >>"$logs/$m.metrics.jsonl"
     echo "   $m finished in $(( SECONDS - start )) s (exit $status)"
     (( status == 0 )) || failed+=("$m")
 }
@@ -156,7 +161,7 @@ for m in ${methods//,/ }; do
         echo "== $m: skipped: $skip"
     else
         runnable+=("$m")
-        (( dry_run )) || : >"$logs/$m.log"
+        (( dry_run )) || : >"$logs/$m.log" >"$logs/$m.metrics.jsonl"
     fi
 done
 failed=()

@@ -5,11 +5,15 @@
 #
 #   bash statistics.sh [LOGDIR]          # default: logs
 #
-# It reads the SUMMARY/DONE JSON lines the trainers print. Each run's first epoch is left out of
+# It reads the SUMMARY/DONE records of each method's metrics log (LOGDIR/<method>.metrics.jsonl, which
+# start.sh collects from the trainers' --output-dir/metrics.jsonl), else the SUMMARY/DONE JSON lines
+# the trainers print (the benchmarks' logs, logs of older runs). Each run's first epoch is left out of
 # s/epoch, images/s and data wait (the share of training time spent waiting for batches; above 0.2
 # the input pipeline limits the run) when later epochs exist (it pays for start-up). Logs with a
 # bare.log and a ceiling.log (from start.sh --benchmark) get columns with each method's images/s over the bare DDP
 # loop's and over the ceiling's (the same work on independent replicas, with no communication).
+# Runs with --profile (start.sh --profile) add the median over ranks of the step time share spent in
+# communication not overlapped with compute (the trainers' PROFILE lines).
 # Missing, failed or unfinished runs are reported in a line below the table, never crash it.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
@@ -31,7 +35,7 @@ ORDER = ["dp", "ddp", "launch", "spawn", "amp", "horovod", "slurm", "fsdp", "dee
 
 
 def read(path):
-    summaries, done, errors = [], None, []
+    summaries, done, errors, profiles = [], None, [], []
     with open(path, errors="replace") as f:
         for line in f:
             line = re.sub(r"^\[\d+\]<std(?:out|err)>:", "", line)  # horovodrun's "[rank]<stdout>:" prefix
@@ -41,11 +45,28 @@ def read(path):
                     summaries.append(json.loads(payload))
                 elif kind == "DONE":
                     done = json.loads(payload)
+                elif kind == "PROFILE":
+                    profiles.append(json.loads(payload))
             except json.JSONDecodeError:
                 errors.append(f"unreadable {kind} line")
             if line.startswith("error:"):
                 errors.append(line.strip())
-    return summaries, done, errors
+    metrics = path[:-len(".log")] + ".metrics.jsonl"
+    if os.path.isfile(metrics) and os.path.getsize(metrics):
+        summaries, done = [], None
+        with open(metrics) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    errors.append("unreadable metrics.jsonl line")
+                    continue
+                fields = {k: v for k, v in record.items() if k not in ("kind", "position", "time")}
+                if record["kind"] == "SUMMARY":
+                    summaries.append(fields)
+                elif record["kind"] == "DONE":
+                    done = fields
+    return summaries, done, errors, profiles
 
 
 def steady(summaries):
@@ -62,14 +83,14 @@ def median(summaries, key):
 runs, notes = {}, []
 for path in sorted(glob.glob(os.path.join(logdir, "*.log"))):
     name = os.path.basename(path)[:-4]
-    summaries, done, errors = read(path)
+    summaries, done, errors, profiles = read(path)
     summaries = [s for s in summaries if "images_per_sec" in s]
     if not summaries:
         notes.append(f"{name}: no summary line ({errors[0] if errors else 'failed before its first epoch, or still running'})")
         continue
     if name not in ("bare", "ceiling") and done is None:
         notes.append(f"{name}: partial (no DONE line: failed or still running); its finished epochs are counted")
-    runs[name] = {"summaries": summaries, "done": done}
+    runs[name] = {"summaries": summaries, "done": done, "profiles": profiles}
 
 bare, ceiling = runs.pop("bare", None), runs.pop("ceiling", None)
 if not runs:
@@ -88,6 +109,9 @@ if bare_speed:
     header.append("x bare DDP loop")
 if ceiling_speed:
     header.append("x ceiling")
+profiled = any(run["profiles"] for run in runs.values())
+if profiled:
+    header.append("exposed comm")
 rows = []
 for name in names:
     summaries = runs[name]["summaries"]
@@ -105,6 +129,14 @@ for name in names:
         row.append(f"{speed / bare_speed:.3f}")
     if ceiling_speed:
         row.append(f"{speed / ceiling_speed:.3f}")
+    if profiled:
+        profiles = runs[name]["profiles"]
+        shares = [p["comm_exposed"] / p["step"] for p in profiles if p["step"] > 0]
+        if shares and last.get("world_size", 1) > 1 and not any(p["comm_exposed"] + p["comm_overlapped"] for p in profiles):
+            shares = []  # Horovod: its collectives run on its own thread, which torch.profiler does not trace
+            notes.append(f"{name}: no collective in its trace (torch.profiler does not see Horovod's thread): "
+                         "its wait for communication counts as optimizer time")
+        row.append(f"{statistics.median(shares):.2f}" if shares else "-")
     rows.append(row)
 
 lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

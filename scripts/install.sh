@@ -4,7 +4,7 @@
 #   bash scripts/install.sh           # trainers + demo data: requirements.txt, requirements-dev.txt
 #   bash scripts/install.sh --tests   # also the engines the tests start for real: the Slurm, munge and
 #                                     # iproute2 Debian packages, Horovod compiled against this torch, and
-#                                     # DeepSpeed and NVIDIA DALI (--data-backend dali)
+#                                     # DeepSpeed, NVIDIA DALI (--data-backend dali) and TensorBoard (--tensorboard)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -34,6 +34,10 @@ if (( tests )); then
     if ! .venv/bin/python -c 'import deepspeed, sys; sys.exit(deepspeed.__version__ != "0.19.8")' 2>/dev/null; then
         DS_BUILD_OPS=0 .venv/bin/pip install --quiet --disable-pip-version-check --no-build-isolation \
             -c requirements.txt deepspeed==0.19.8
+    fi
+    # TensorBoard for --tensorboard (optional for the trainers; the tests write its event files).
+    if ! .venv/bin/python -c 'import tensorboard, sys; sys.exit(tensorboard.__version__ != "2.21.0")' 2>/dev/null; then
+        .venv/bin/pip install --quiet --disable-pip-version-check -c requirements.txt tensorboard==2.21.0
     fi
     # NVIDIA DALI for --data-backend dali, the build for torch's CUDA (13; it also runs without a GPU):
     # over 500 MB with nvJPEG and nvImageCodec, so only here, not in the default install.

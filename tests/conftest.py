@@ -357,6 +357,9 @@ def bad_inputs(tiny_data, checkpoint, tmp):
                                    "argument --save-every: -1 is out of range: pass a number >= 0"),
         "mid-epoch checkpoint, other -b": (["--data", tiny_data, "-b", 16, "--resume", mid_epoch], "python",
                                            "after step 1 of -b 32: resume it with that -b"),
+        "--profile not a range": (data + ["--profile", "3"], "python", "'3' is not START:STOP"),
+        "--profile past the run": (data + ["--epochs", 1, "--profile", "2:4"], "python",
+                                   "--profile 2:4: this run has only 3 optimizer steps: lower STOP"),
         "train set below one batch": (["--data", tiny_data, "-b", 128], "python", "smaller than one global batch"),
         # Met by one rank, in a DataLoader worker: that rank reports it, and torchrun stops the others.
         "corrupt train image": (["--data", corrupt, "-b", 32, "-j", 1], "torchrun",

@@ -129,7 +129,7 @@ def test_checkpoint_layout(straight):
     """The newest 2 DeepSpeed checkpoints (ZeRO 3: each rank's weights and optimizer state), `latest`
     naming the newest, DeepSpeed's own recovery scripts, and the single-file exports with their best copy."""
     out = straight[1]
-    assert {p.name for p in out.iterdir()} == {".lock", "latest", "model_best.pth", "zero_to_fp32.py",
+    assert {p.name for p in out.iterdir()} == {".lock", "latest", "metrics.jsonl", "model_best.pth", "zero_to_fp32.py",
                                                "zero_to_torch.py"} | {
         name + suffix for name in ("ds-epoch1", "ds-epoch2", "checkpoint.pth", "checkpoint-epoch1.pth",
                                    "checkpoint-epoch2.pth") for suffix in ("", ".sha256")}
@@ -202,8 +202,12 @@ def zero0(deepspeed_installed, tmp_path_factory):
     1 process: the output directory (shared by the nodes, as it must be), which holds a ZeRO 0 checkpoint
     of the end of the epoch."""
     out, hostfile = tmp_path_factory.mktemp("zero0"), tmp_path_factory.mktemp("hosts") / "hostfile"
-    r = interrupted(out, stage=0, launch=lambda args, env: ds_two_nodes(args, hostfile, env))
+    r = interrupted(out, stage=0, launch=lambda args, env: ds_two_nodes(args, hostfile, env), extra=("--profile", "1:1"))
     assert "world size 2, device cpu" in r.stdout and "launcher deepspeed" in r.stdout
+    # Profiled step 1: ZeRO 0 all-reduces the gradients after the backward, one bucket after the other,
+    # with no computation beside them: a run whose communication cannot overlap, all of it exposed.
+    (p,) = [json.loads(line.partition(" ")[2]) for line in r.stdout.splitlines() if line.startswith("PROFILE ")]
+    assert p["rank"] == 0 and p["comm_overlapped"] == 0 and p["comm_exposed"] > 0, p  # (node 0 prints rank 0's)
     resumed(out, stage=0, nproc=1)
     return out
 

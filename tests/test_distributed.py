@@ -1,4 +1,7 @@
 """distributed.py under real launchers: launch, distributed math, exact eval, resume, bad input."""
+import importlib.util
+import json
+import math
 import os
 import re
 import resource
@@ -177,9 +180,36 @@ def test_exact_evaluation_at_any_world_size(tiny_data, tmp_path):
     assert results[1] == results[2] == results[3]
 
 
+def profiles(r, out, nproc, steps):
+    """A --profile run's PROFILE lines, one per rank, after checking that each rank's trace parses, holds
+    the profiled steps, and that the split's parts are disjoint: none negative, summing to the step."""
+    records = sorted((json.loads(line.partition(" ")[2]) for line in r.stdout.splitlines()
+                      if line.startswith("PROFILE ")), key=lambda p: p["rank"])
+    assert [p["rank"] for p in records] == list(range(nproc)), r.stdout
+    for p in records:
+        events = json.loads((Path(out) / f"trace-rank{p['rank']}.json").read_text())["traceEvents"]
+        assert len([e for e in events if e.get("name", "").startswith("ProfilerStep#")]) == steps
+        parts = [p[k] for k in ("compute", "comm_exposed", "data_wait", "optimizer", "other")]
+        assert min(parts + [p["comm_overlapped"]]) >= 0 and abs(sum(parts) - p["step"]) <= 0.01, p
+        assert p["other"] < 0.5 * p["step"], p  # on the CPU, the ops cover the step but for gaps between them
+    return records
+
+
 def test_resume_is_bitwise(tiny_data, tmp_path):
     args = ["--data", tiny_data, "-b", 32, "--warmup-epochs", 1, "--lr-step-size", 1] + FAST
-    run(args + ["--epochs", 2, "--output-dir", tmp_path / "straight"], launcher="torchrun", nproc=2).check()
+    # Profiled (steps 1 and 2, of epoch 0): the profiler only observes, the weights stay bitwise those of the split run.
+    r = run(args + ["--epochs", 2, "--output-dir", tmp_path / "straight", "--profile", "1:2"], launcher="torchrun",
+            nproc=2).check()
+    for p in profiles(r, tmp_path / "straight", 2, 2):
+        assert p["comm_exposed"] + p["comm_overlapped"] > 0, p  # DDP's all-reduces, on gloo's threads
+    # The volume the first lines state, computed from the model, is what the trace's all-reduces carried:
+    # DDP's float32 gradient buckets, of which a ring all-reduce sends 2(N-1)/N from each rank.
+    sent = int(re.search(r"=> communication: ([\d,]+) bytes", r.stdout)[1].replace(",", ""))
+    events = json.loads((tmp_path / "straight" / "trace-rank0.json").read_text())["traceEvents"]
+    steps = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name", "").startswith("ProfilerStep#")]
+    numel = sum(math.prod(dims) for e in events if e.get("name") == "c10d::allreduce_"
+                and any(start <= e["ts"] < end for start, end in steps) for dims in e["args"]["Input Dims"][0])
+    assert numel > 0 and sent == 2 * (2 - 1) * numel * 4 // 2 // len(steps), (sent, numel)
     run(args + ["--epochs", 1, "--output-dir", tmp_path / "split"], launcher="torchrun", nproc=2).check()
     r = run(args + ["--epochs", 2, "--output-dir", tmp_path / "split", "--resume", "auto"],
             launcher="torchrun", nproc=2).check()
@@ -222,10 +252,16 @@ def test_mid_epoch_resume_skips_a_damaged_newest_checkpoint_bitwise(tmp_path, si
     """The newest checkpoint cut short (a copy or a file system that lost its tail): --resume auto says
     so in one line and resumes from the one before it, and the run ends bitwise where an uninterrupted
     one does."""
-    resume_mid_epoch(tmp_path, lambda args, env: run(args, env=env), lambda args, env: run(args, env=env),
-                     damaged="checkpoint-epoch0-step2.pth")
+    r = resume_mid_epoch(tmp_path, lambda args, env: run(args, env=env), lambda args, env: run(args, env=env),
+                         damaged="checkpoint-epoch0-step2.pth")
     resumed = float64_weights(tmp_path)
     assert all(torch.equal(resumed[key], single_process_weights[key]) for key in single_process_weights)
+    # metrics.jsonl: the interrupted run logged steps 1 and 2, the resumed one repeated step 2 (its
+    # checkpoint was damaged) and logged step 3: step 2 is there once, from the run that kept it.
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["position"]) for r in records] == [
+        ("train", [0, 1]), ("train", [0, 3]), ("SUMMARY", [1, 0]), ("DONE", [1, 0])], records
+    assert records[2]["val_acc1"] == r.summaries[0]["val_acc1"]
 
 
 def test_an_output_dir_in_use_is_refused(tmp_path):
@@ -374,10 +410,31 @@ def test_data_stall_is_reported(tmp_path):
     subprocess.run([PYTHON, REPO / "tools" / "make_imagenet_like.py", "--out", tmp_path / "d", "--train-count", "64",
                     "--val-count", "8", "--classes", "2"], check=True, capture_output=True)
     r = run(["--data", tmp_path / "d", "-a", "mobilenet_v3_small", "-b", 32, "--epochs", 1,
-             "--output-dir", tmp_path / "ckpt"] + FAST).check()
+             "--output-dir", tmp_path / "ckpt", "--profile", "1:2"] + FAST).check()
+    # Profiled: one process has no communication at all, and the trace sees the loader's wait too.
+    (p,) = profiles(r, tmp_path / "ckpt", 1, 2)
+    assert p["comm_exposed"] == p["comm_overlapped"] == 0 and p["data_wait"] > 0.2 * p["step"], p
+    assert "=> communication: 0 bytes (0.0 MiB) sent by each rank per optimizer step (one process)" in r.stdout
     stalls = [line for line in r.stdout.splitlines() if line.startswith("=> data stall")]
     assert len(stalls) == 1 and r.summaries[0]["data_wait"] > 0.2, r.stdout
     assert "-j, now 0" in stalls[0] and "--data-backend dali" in stalls[0] and "resize_dataset.py" in stalls[0]
+
+
+def test_tensorboard_writes_event_files_or_says_what_to_install(tiny_data, tmp_path):
+    """--tensorboard: event files beside metrics.jsonl where tensorboard is installed, else one error
+    line naming the pip command, before any training."""
+    r = run(["--data", tiny_data, "-b", 32, "--epochs", 1, "--output-dir", tmp_path, "--tensorboard"] + FAST)
+    if importlib.util.find_spec("tensorboard") is None:
+        assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: --tensorboard needs the "
+                                                                                   "tensorboard package: pip install"), r.stderr
+        assert not (tmp_path / "metrics.jsonl").exists()
+    else:
+        r.check()
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
+        (val,) = events.Scalars("summary/val_acc1")  # at the global step of epoch 0's end: 3 steps of 32
+        assert (val.step, val.value) == (3, pytest.approx(r.summaries[0]["val_acc1"]))
+        assert [s.step for s in events.Scalars("train/loss")] == [3]
 
 
 def test_divergence_stops_at_the_next_progress_line(tiny_data, tmp_path):
@@ -403,13 +460,32 @@ def test_divergence_stops_at_the_next_progress_line(tiny_data, tmp_path):
     assert all(t.isfinite().all() for t in state.values() if t.is_floating_point())
 
 
+def test_step_split_of_a_known_timeline():
+    """step_split on a hand-made trace (microseconds): a 100 us step, data 0-10, compute 10-50 and 60-70,
+    a gloo all-reduce 40-65 (15 under compute, 10 exposed), the optimizer 80-95 with an op inside it."""
+    main, gloo = {"pid": 1, "tid": 1}, {"pid": 1, "tid": 2}
+
+    def op(name, start, end, thread=main, cat="cpu_op"):
+        return {"ph": "X", "name": name, "cat": cat, "ts": start, "dur": end - start, **thread}
+    events = [{"ph": "M", "name": "thread_name", "args": {"name": "thread 2 (pt_gloo_runloop)"}, **gloo},
+              op("ProfilerStep#0", 0, 100, cat="user_annotation"),
+              op("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", 0, 10, cat="user_annotation"),
+              op("aten::copy_", 2, 8), op("aten::convolution", 10, 50), op("aten::mul", 20, 30), op("aten::add", 60, 70),
+              op("gloo:all_reduce", 40, 65, thread=gloo), op("Optimizer.step#SGD.step", 80, 95, cat="user_annotation"),
+              op("aten::_fused_sgd_", 82, 90)]
+    assert distributed.step_split(events) == {"step": 100, "compute": 50, "comm_exposed": 10, "comm_overlapped": 15,
+                                              "data_wait": 10, "optimizer": 15, "other": 15}
+    assert distributed.step_split([op("ProfilerStep#0", 0, 100, cat="user_annotation")])["other"] == 100
+
+
 # ---- bad input: one clear line, non-zero exit, no traceback ----
 
 BAD = ["missing data dir", "no data at all", "empty data dir", "val class missing", "empty class folder",
        "symlink loop", "unknown arch", "image too small for the arch", "batch below world size",
        "one image per process", "sync-bn on cpu", "other arch checkpoint",
        "truncated checkpoint", "code in checkpoint", "no such checkpoint", "unwritable output dir",
-       "train set below one batch", "corrupt train image", "negative --save-every", "mid-epoch checkpoint, other -b"]
+       "train set below one batch", "corrupt train image", "negative --save-every", "mid-epoch checkpoint, other -b",
+       "--profile not a range", "--profile past the run"]
 
 
 @pytest.mark.parametrize("case", BAD)

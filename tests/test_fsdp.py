@@ -47,7 +47,7 @@ def test_runs_and_resumes_bitwise(straight, tiny_data, tmp_path):
     assert r.stdout.count("Epoch: [0]") == 1, "progress must be printed by global rank 0 only"
     # The newest 2 sharded checkpoints (each rank's shard file, the metadata, the trainer state) and
     # single-file exports, with their digests, and the best copy; no temporary left behind.
-    assert {p.name for p in out.iterdir()} == {".lock", "model_best.pth"} | {
+    assert {p.name for p in out.iterdir()} == {".lock", "metrics.jsonl", "model_best.pth"} | {
         name + suffix for name in ("dcp-epoch1", "dcp-epoch2", "checkpoint.pth", "checkpoint-epoch1.pth",
                                    "checkpoint-epoch2.pth") for suffix in ("", ".sha256")}
     assert {p.name for p in (out / "dcp-epoch2").iterdir()} == \

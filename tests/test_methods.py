@@ -39,7 +39,7 @@ def test_runs_and_resumes_bitwise(script, launcher, nproc, extra, tiny_data, tmp
     assert r.done["ranks_identical"] and len(r.done["state_sha256"]) == nproc
     assert r.stdout.count("Epoch: [0]") == 1, "progress must be printed by global rank 0 only"
     # The newest 2 (--keep-checkpoints), with their digests; checkpoint.pth names the newest.
-    assert {p.name for p in (tmp_path / "straight").iterdir()} == {".lock", "model_best.pth"} | {
+    assert {p.name for p in (tmp_path / "straight").iterdir()} == {".lock", "metrics.jsonl", "model_best.pth"} | {
         name + suffix for name in ("checkpoint.pth", "checkpoint-epoch1.pth", "checkpoint-epoch2.pth")
         for suffix in ("", ".sha256")}
 

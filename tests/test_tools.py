@@ -1,8 +1,10 @@
 """statistics.sh on fixture logs, start.sh's command lines (--dry-run), gpu_check.sh's refusal without GPUs."""
+import json
 import os
 import re
 import shutil
 import subprocess
+from xml.etree import ElementTree
 
 from conftest import PYTHON, REPO
 
@@ -34,10 +36,65 @@ def test_statistics_table_from_fixture_logs(tmp_path):
     assert (logs / "summary.md").read_text().startswith("| method |")
 
 
+def test_statistics_reads_the_metrics_log(tmp_path):
+    """With ddp.metrics.jsonl beside it, the ddp row comes from its records: the same row as from the
+    text log's lines, which are removed here so that only the metrics log can have given it."""
+    logs = shutil.copytree(REPO / "tests" / "fixtures" / "logs", tmp_path / "logs")
+    text = (logs / "ddp.log").read_text().splitlines(keepends=True)
+    with open(logs / "ddp.metrics.jsonl", "w") as f:
+        for line in text:
+            kind, _, payload = line.partition(" ")
+            if kind in ("SUMMARY", "DONE"):
+                fields = json.loads(payload)
+                position = [fields["epoch"] + 1, 0] if kind == "SUMMARY" else None
+                f.write(json.dumps({"kind": kind, "position": position, "time": 0, **fields}) + "\n")
+                f.write(json.dumps({"kind": "train", "position": [0, 1], "time": 0, "loss": 1.0}) + "\n")
+    # A --profile run's lines, one per rank: the table's last column is the median of their exposed shares.
+    profiles = [f'PROFILE {{"rank": {rank}, "step": 200.0, "comm_exposed": {exposed}, "comm_overlapped": 1.0}}\n'
+                for rank, exposed in enumerate((30.0, 50.0))]
+    (logs / "ddp.log").write_text("".join(line for line in text if not line.startswith(("SUMMARY", "DONE")))
+                                  + "".join(profiles))
+    # A run of 2 ranks whose trace holds no collective (Horovod's): no share, and a note saying why.
+    with open(logs / "deepspeed.log", "a") as f:
+        f.write('PROFILE {"rank": 0, "step": 200.0, "comm_exposed": 0.0, "comm_overlapped": 0.0}\n')
+    r = bash("statistics.sh", logs)
+    assert r.returncode == 0, r.stderr
+    assert "| ddp | torchrun | 2 | cpu | 3 | 14.5 | 145.0 | 2.13 | 96.1 | 0.01 | 0.906 | 0.725 | 0.20 |" in r.stdout
+    assert "| 0.600 | 0.480 | - |" in r.stdout and "deepspeed: no collective in its trace" in r.stdout
+    assert "exposed comm |" in r.stdout and "| dp | none | 1 | cpu | 3 | 21.0 |" in r.stdout
+    assert "ddp: partial" not in r.stdout
+
+
 def test_statistics_reports_missing_logs(tmp_path):
     assert bash("statistics.sh", tmp_path / "none").returncode == 2
     r = bash("statistics.sh", tmp_path)
     assert r.returncode == 1 and "no usable logs" in r.stdout
+
+
+def test_plot_profile_draws_each_part_of_a_trace(tmp_path):
+    """tools/plot_profile.py on a hand-made trace: one lane per part, with the shares step_split gives
+    (a 100 us step: data 10, compute 40, a gloo all-reduce 40-65 of which 10 exposed, optimizer 15)."""
+    main, gloo = {"pid": 1, "tid": 1}, {"pid": 1, "tid": 2}
+
+    def op(name, start, end, thread=main, cat="cpu_op"):
+        return {"ph": "X", "name": name, "cat": cat, "ts": start, "dur": end - start, **thread}
+    events = [{"ph": "M", "name": "thread_name", "args": {"name": "thread 2 (pt_gloo_runloop)"}, **gloo},
+              op("ProfilerStep#0", 0, 100, cat="user_annotation"),
+              op("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", 0, 10, cat="user_annotation"),
+              op("aten::convolution", 10, 50), op("gloo:all_reduce", 40, 65, thread=gloo),
+              op("Optimizer.step#SGD.step", 80, 95, cat="user_annotation")]
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": events}))
+    r = subprocess.run([PYTHON, REPO / "tools" / "plot_profile.py", tmp_path / "trace.json", "--out", tmp_path / "t.svg"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    root = ElementTree.parse(tmp_path / "t.svg").getroot()
+    labels = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")]
+    for label in ("data wait 10%", "compute 40%", "communication, overlapped 10%", "communication, exposed 15%",
+                  "optimizer 15%"):
+        assert label in labels, labels
+    r = subprocess.run([PYTHON, REPO / "tools" / "plot_profile.py", tmp_path / "t.svg", "--out", tmp_path / "x.svg"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.startswith("error: cannot read a Chrome trace"), r.stderr
 
 
 def test_start_dry_run_names_every_method(tmp_path):
@@ -50,8 +107,11 @@ def test_start_dry_run_names_every_method(tmp_path):
     assert "--epochs 3" in r.stdout and "--data data/digits" in r.stdout
     r = bash("start.sh", "--methods", "ddp,nope", "--dry-run")
     assert r.returncode == 2 and "unknown method 'nope'" in r.stderr
-    r = bash("start.sh", "--dry-run", "--benchmark", "--repeats", 1, "--methods", "ddp", "--logs", tmp_path)
+    r = bash("start.sh", "--dry-run", "--benchmark", "--repeats", 1, "--methods", "ddp", "--logs", tmp_path,
+             "--profile", "3:6")
     assert re.search(r"== ceiling \(run 1/1\): \S*/torchrun .* benchmarks/bare_ddp.py .* --no-communication", r.stdout)
+    assert "--no-communication --profile" not in r.stdout and "distributed.py" in r.stdout
+    assert all("--profile 3:6 --output-dir" in line for line in r.stdout.splitlines() if "distributed.py" in line)
     assert not list(tmp_path.glob("*.log")), "a dry run writes no logs"
 
 
