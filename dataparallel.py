@@ -489,11 +489,16 @@ def report_data_stall(data_wait, train_time, args):
             "(tools/resize_dataset.py); benchmarks/input_pipeline.py measures what each costs per core")
 
 
+# What PIL raises for a file it cannot decode; DecompressionBombError (not an OSError) for one whose header
+# claims over twice Image.MAX_IMAGE_PIXELS (a bomb, or a photo too big to train on: resize it).
+UNREADABLE_IMAGE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
+
+
 def load_image(path):
-    """ImageFolder's loader, with an error naming a corrupt or truncated file."""
+    """ImageFolder's loader, with an error naming a corrupt, truncated or oversized file."""
     try:
         return datasets.folder.pil_loader(path)
-    except (OSError, SyntaxError, ValueError) as e:  # what PIL raises for undecodable data
+    except UNREADABLE_IMAGE as e:
         raise LocalError(f"cannot read image '{path}' ({e}): replace or delete the file") from None
 
 
@@ -711,7 +716,7 @@ class DaliLoader:
                     with Image.open(path) as image, self.seeded.seeded(index):  # reads the header, not the pixels
                         top, left, height, width = crop.get_params(image, crop.scale, crop.ratio)
                         mirror = torch.rand(1) < flip.p
-                except (OSError, SyntaxError, ValueError) as e:
+                except UNREADABLE_IMAGE as e:
                     raise LocalError(f"cannot read image '{path}' ({e}): replace or delete the file") from None
                 columns[2].append(numpy.array([left, top], dtype=numpy.int32))  # DALI's order: x, y
                 columns[3].append(numpy.array([width, height], dtype=numpy.int32))

@@ -6,9 +6,11 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -309,6 +311,13 @@ def checkpoint(tiny_data, tmp_path_factory):
     return out / "checkpoint.pth"
 
 
+def png_header(width, height):
+    """A PNG's signature, header chunk (8-bit RGB of width x height) and end chunk, with no pixel data."""
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + chunk(b"IEND", b"")
+
+
 def bad_inputs(tiny_data, checkpoint, tmp):
     """{case: (arguments, launcher, expected message fragment)}, building the broken inputs in tmp."""
     empty = tmp / "empty"
@@ -322,6 +331,9 @@ def bad_inputs(tiny_data, checkpoint, tmp):
     corrupt = shutil.copytree(tiny_data, tmp / "corrupt")
     corrupt_image = sorted((corrupt / "train" / "4").iterdir())[0]
     corrupt_image.write_bytes(corrupt_image.read_bytes()[:100])  # a truncated PNG: its header reads, its pixels not
+    bomb = shutil.copytree(tiny_data, tmp / "bomb")
+    bomb_image = sorted((bomb / "train" / "2").iterdir())[0]
+    bomb_image.write_bytes(png_header(40000, 40000))  # 45 bytes whose header claims 1.6 G pixels: PIL refuses it
     truncated = tmp / "truncated.pth"
     truncated.write_bytes(checkpoint.read_bytes()[:5000])
     malicious = tmp / "malicious.pth"
@@ -361,4 +373,7 @@ def bad_inputs(tiny_data, checkpoint, tmp):
         # Met by one rank, in a DataLoader worker: that rank reports it, and torchrun stops the others.
         "corrupt train image": (["--data", corrupt, "-b", 32, "-j", 1], "torchrun",
                                 f"cannot read image '{corrupt_image}' (image file is truncated)"),
+        # PIL's DecompressionBombError, which is no OSError, read in the training process (-j 0).
+        "decompression bomb image": (["--data", bomb, "-b", 32], "python",
+                                     f"cannot read image '{bomb_image}' (Image size (1600000000 pixels) exceeds limit"),
     }

@@ -398,7 +398,8 @@ BAD = ["missing data dir", "no data at all", "empty data dir", "val class missin
        "symlink loop", "unknown arch", "image too small for the arch", "batch below world size",
        "one image per process", "sync-bn on cpu", "other arch checkpoint",
        "truncated checkpoint", "code in checkpoint", "no such checkpoint", "unwritable output dir",
-       "train set below one batch", "corrupt train image", "negative --save-every", "mid-epoch checkpoint, other -b"]
+       "train set below one batch", "corrupt train image", "decompression bomb image", "negative --save-every",
+       "mid-epoch checkpoint, other -b"]
 
 
 @pytest.mark.parametrize("case", BAD)
