@@ -225,7 +225,11 @@ def save_sharded(model, optimizer, trainer_state, args):
     tmp = tempfile.mkdtemp(dir=args.output_dir, prefix=".dcp.", suffix=".tmp") if RANK == 0 else None
     tmp = all_gather_objects(tmp)[0]  # rank 0's
     optimizer_state = get_optimizer_state_dict(model, optimizer)
-    dcp.save({"model": get_model_state_dict(model), "optimizer": optimizer_state["state"]}, checkpoint_id=tmp)
+    # Tensors every rank holds whole (BatchNorm's running statistics: fully_shard leaves buffers alone) are
+    # written once: by default from whichever rank has written least so far, rank 1's statistics for some.
+    # Rank 0's, as validate broadcasts them: a resumed run then ends with the uninterrupted one's.
+    dcp.save({"model": get_model_state_dict(model), "optimizer": optimizer_state["state"]}, checkpoint_id=tmp,
+             planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
     if RANK == 0:  # dcp.save returns once every rank's shards and rank 0's metadata are written
         with open(os.path.join(tmp, TRAINER_STATE), "wb") as f:
             torch.save(dict(trainer_state, param_groups=optimizer_state["param_groups"]), f)

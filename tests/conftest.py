@@ -199,6 +199,18 @@ def resume_mid_epoch(out, interrupted, resumed, damaged=None):
     return r
 
 
+def resume_batchnorm_mid_epoch(out, launch, straight):
+    """A 2-epoch run of a BatchNorm model (tiny_data, -b 32: 3 steps an epoch) stopped by SIGTERM in step 2
+    of epoch 1 and resumed from its checkpoint of that step: every rank's final weights and BatchNorm
+    running statistics (state_sha256 digests both) equal `straight`'s, the same run uninterrupted at the
+    same world size. launch(args, env) runs the trainer under test with its run's other arguments."""
+    r = launch(["--output-dir", out, "--epochs", 2, "-p", 1], signal_at(5))
+    assert r.returncode != 0 and "=> stopped on a signal after step 2 of epoch 1" in r.stdout, r.stdout + r.stderr
+    r = launch(["--output-dir", out, "--epochs", 2, "--resume", "auto"], None).check()
+    assert "(epoch 1, step 2)" in r.stdout and "Epoch: [1][3/3]" in r.stdout, r.stdout
+    assert r.done["state_sha256"] == straight.done["state_sha256"]
+
+
 def float64_weights(out):
     """The final weights of an equivalence run written to out; fails if float64 did not reach the trainer."""
     state = load_state(Path(out) / "checkpoint.pth")["state_dict"]
