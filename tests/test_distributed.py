@@ -14,8 +14,8 @@ import torch.nn as nn
 import torchvision
 
 from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, PYTHON, REPO, assert_same_checkpoints, bad_inputs, environment,
-                      fault_at, float64_weights, launch_command, load_state, make_data, max_abs_diff, resume_mid_epoch,
-                      run, stall_a_rank)
+                      fault_at, float64_weights, launch_command, load_state, make_data, max_abs_diff,
+                      resume_batchnorm_mid_epoch, resume_mid_epoch, run, stall_a_rank)
 
 sys.path.insert(0, str(REPO))
 import distributed  # noqa: E402  (the script itself, for its pure helpers)
@@ -168,13 +168,15 @@ def test_exact_evaluation_at_any_world_size(tiny_data, tmp_path):
 
 
 def test_resume_is_bitwise(tiny_data, tmp_path):
+    """At the epoch's end and, for resnet18's BatchNorm statistics too, in the middle of one."""
     args = ["--data", tiny_data, "-b", 32, "--warmup-epochs", 1, "--lr-step-size", 1] + FAST
-    run(args + ["--epochs", 2, "--output-dir", tmp_path / "straight"], launcher="torchrun", nproc=2).check()
+    straight = run(args + ["--epochs", 2, "--output-dir", tmp_path / "straight"], launcher="torchrun", nproc=2).check()
     run(args + ["--epochs", 1, "--output-dir", tmp_path / "split"], launcher="torchrun", nproc=2).check()
     r = run(args + ["--epochs", 2, "--output-dir", tmp_path / "split", "--resume", "auto"],
             launcher="torchrun", nproc=2).check()
     assert [s["epoch"] for s in r.summaries] == [1]
     assert_same_checkpoints(tmp_path / "straight", tmp_path / "split")
+    resume_batchnorm_mid_epoch(tmp_path / "mid", lambda extra, env: run(args + extra, "torchrun", 2, env=env), straight)
 
 
 # Rewrites a checkpoint as a GPU run writes one: every storage recorded at cuda:0 (location tags
