@@ -21,8 +21,8 @@ SHARED_HELPERS = ["UsageError", "LocalError", "report", "log", "summary", "Argum
                   "training_arguments", "seed_everything", "Stopped", "stop_on_signals", "ignore_stop_signals",
                   "diverged", "check_finite", "pick_device", "check_batch", "check_output_dir", "claim_output_dir",
                   "report_data_stall", "load_image", "build_datasets", "normalization", "to_device", "build_model",
-                  "SampleSeeded", "ResumableSampler", "shard_batches", "build_loaders", "import_dali", "DaliLoader",
-                  "AverageMeter", "correct_counts", "lr_schedule", "rng_state", "set_rng_state", "to_cpu",
+                  "SampleSeeded", "EpochIndices", "ResumableSampler", "shard_batches", "build_loaders", "import_dali",
+                  "DaliLoader", "AverageMeter", "correct_counts", "lr_schedule", "rng_state", "set_rng_state", "to_cpu",
                   "checkpoint_paths", "digest", "seal", "intact", "save_checkpoint", "load_checkpoint",
                   "check_resumable", "resume_training", "state_digest"]
 

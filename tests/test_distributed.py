@@ -137,13 +137,13 @@ def test_same_global_batches_at_any_world_size(tiny_data):
     same images, same random crops and flips, whatever the world size or loader worker count."""
     args = distributed.argument_parser().parse_args(["--data", str(tiny_data), "--image-size", "32"])
     train_set = distributed.SampleSeeded(distributed.build_datasets(args)[0], seed=0)
-    train_set.set_epoch(1)
 
     def first_batch(world, rank):
         sampler = torch.utils.data.distributed.DistributedSampler(train_set, num_replicas=world, rank=rank,
                                                                   seed=0, drop_last=True)
         sampler.set_epoch(1)
-        loader = torch.utils.data.DataLoader(train_set, batch_size=32 // world, sampler=sampler, num_workers=rank)
+        loader = torch.utils.data.DataLoader(train_set, batch_size=32 // world, sampler=distributed.EpochIndices(sampler),
+                                             num_workers=rank)
         return next(iter(loader))
 
     images, labels = first_batch(1, 0)
@@ -319,12 +319,22 @@ def test_resumable_sampler_skips_the_first_global_batches_at_any_world_size():
 
 
 def test_seed_is_deterministic_with_loader_workers(tiny_data, tmp_path):
-    def digest(seed, name):
-        args = ["--data", tiny_data, "-b", 32, "--epochs", 1, "--image-size", 32, "-j", 2, "-p", 1000,
+    """2 epochs with 2 loader workers train the weights no workers do (the same crops and flips, the
+    second epoch's too). The workers are spawned (a fresh interpreter, never a fork of the threaded
+    trainer: CPython gh-112275), once per run: 2 for training and 2 for evaluation, not 4 an epoch."""
+    workers = tmp_path / "workers"
+    workers.mkdir()
+
+    def digest(seed, name, loader_workers):
+        args = ["--data", tiny_data, "-b", 32, "--epochs", 2, "--image-size", 32, "-j", loader_workers, "-p", 1000,
                 "--seed", seed, "--output-dir", tmp_path / name]
-        return run(args).check().done["state_sha256"]
-    assert digest(7, "a") == digest(7, "b")
-    assert digest(8, "c") != digest(7, "a"), "a different seed must give different weights"
+        env = {"PYTHONPATH": str(REPO / "tests" / "hooks"), "COOKBOOK_RECORD_WORKERS": str(workers)}
+        return run(args, env=env).check().done["state_sha256"]
+    without_workers = digest(7, "b", 0)
+    assert digest(7, "a", 2) == without_workers
+    started = [path.read_text() for path in workers.iterdir()]
+    assert len(started) == 4 and all("from multiprocessing.spawn import spawn_main" in s for s in started), started
+    assert digest(8, "c", 0) != without_workers, "a different seed must give different weights"
 
 
 # ---- helpers ----
