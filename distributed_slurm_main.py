@@ -311,7 +311,6 @@ def main_worker(args):
         # set_epoch reshuffles: without it every epoch would visit the data in the same order. After
         # a mid-epoch checkpoint, the batches it had trained on are skipped, not loaded and dropped.
         train_sampler.set_epoch(epoch, skip=start_step * args.grad_accum_steps * micro_batch)
-        train_set.set_epoch(epoch)
         # The loader draws its workers' seeds from its generator as the epoch starts: mid-epoch
         # checkpoints keep the state from before that draw, so a resumed epoch makes the same one.
         loader_state = train_loader.generator.get_state()
@@ -899,11 +898,16 @@ def step_split(events, with_intervals=False):
     return (parts, intervals) if with_intervals else parts
 
 
+# What PIL raises for a file it cannot decode; DecompressionBombError (not an OSError) for one whose header
+# claims over twice Image.MAX_IMAGE_PIXELS (a bomb, or a photo too big to train on: resize it).
+UNREADABLE_IMAGE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
+
+
 def load_image(path):
-    """ImageFolder's loader, with an error naming a corrupt or truncated file."""
+    """ImageFolder's loader, with an error naming a corrupt, truncated or oversized file."""
     try:
         return datasets.folder.pil_loader(path)
-    except (OSError, SyntaxError, ValueError) as e:  # what PIL raises for undecodable data
+    except UNREADABLE_IMAGE as e:
         raise LocalError(f"cannot read image '{path}' ({e}): replace or delete the file") from None
 
 
@@ -1015,29 +1019,43 @@ class SyntheticImages(torch.utils.data.Dataset):
 class SampleSeeded(torch.utils.data.Dataset):
     """Seeds each sample's random augmentation from (seed, epoch, index): an image gets the same crop
     and flip at any world size, worker count or restart, so N processes see exactly the batches one
-    process would, and a resumed run continues exactly."""
+    process would, and a resumed run continues exactly. Its keys are EpochIndices' (epoch, index) pairs."""
 
     def __init__(self, dataset, seed):
-        self.dataset, self.seed, self.epoch = dataset, seed, 0
-
-    def set_epoch(self, epoch):
-        self.epoch = epoch
+        self.dataset, self.seed = dataset, seed
 
     def __len__(self):
         return len(self.dataset)
 
     @contextlib.contextmanager
-    def seeded(self, index):
+    def seeded(self, epoch, index):
         with torch.random.fork_rng(devices=[]):
             # The CPU generator only, which the transforms draw from (torch.manual_seed would seed
             # every GPU too: 50x slower per image).
             torch.random.default_generator.manual_seed(
-                ((self.seed * 1_000_003 + self.epoch) * 1_000_000_007 + index) % 2**63)
+                ((self.seed * 1_000_003 + epoch) * 1_000_000_007 + index) % 2**63)
             yield
 
-    def __getitem__(self, index):
-        with self.seeded(index):
+    def __getitem__(self, key):
+        epoch, index = key
+        with self.seeded(epoch, index):
             return self.dataset[index]
+
+
+class EpochIndices(torch.utils.data.Sampler):
+    """A sampler's indices as (epoch, index) keys of SampleSeeded. The epoch travels with each index
+    because persistent loader workers keep the copy of the dataset they started with: an epoch set on
+    it in the training process would never reach them."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+
+    def __iter__(self):
+        epoch = self.sampler.epoch  # set_epoch came first
+        return ((epoch, index) for index in self.sampler)
+
+    def __len__(self):
+        return len(self.sampler)
 
 
 class ResumableSampler(torch.utils.data.distributed.DistributedSampler):
@@ -1080,9 +1098,14 @@ def build_loaders(args, train_set, val_set, world_size, rank, device, micro_batc
         train_batches = torch.utils.data.BatchSampler(train_sampler, max(1, micro_batch), drop_last=True)
         return (train_sampler, DaliLoader(train_set, train_batches, max(1, micro_batch), args, device),
                 DaliLoader(val_set, val_batches, args.val_batch_size, args, device))
+    # Workers started by spawn (a fresh interpreter: fork + exec), once per run (persistent), never
+    # forked from this process, whose torch threads may hold locks a fork copies held for ever
+    # (CPython gh-112275: a hang at an epoch's start); not by forkserver, which a launcher's SIGTERM
+    # to the process group ends, and its workers with it, before the trainer has checkpointed.
     loader_args = {"num_workers": args.workers, "pin_memory": device.type != "cpu",
-                   "worker_init_fn": ignore_stop_signals}
-    train_loader = torch.utils.data.DataLoader(train_set, max(1, micro_batch), sampler=train_sampler,
+                   "worker_init_fn": ignore_stop_signals,
+                   **({"multiprocessing_context": "spawn", "persistent_workers": True} if args.workers else {})}
+    train_loader = torch.utils.data.DataLoader(train_set, max(1, micro_batch), sampler=EpochIndices(train_sampler),
                                                generator=torch.Generator().manual_seed(args.seed + rank),
                                                drop_last=True, **loader_args)
     return train_sampler, train_loader, torch.utils.data.DataLoader(val_set, batch_sampler=val_batches, **loader_args)
@@ -1137,10 +1160,11 @@ class DaliLoader:
             if self.seeded:
                 crop, flip = self.transforms[0], self.transforms[1]
                 try:
-                    with Image.open(path) as image, self.seeded.seeded(index):  # reads the header, not the pixels
+                    # Image.open reads the header, not the pixels; the sampler's epoch, this pass's.
+                    with Image.open(path) as image, self.seeded.seeded(self.batches.sampler.epoch, index):
                         top, left, height, width = crop.get_params(image, crop.scale, crop.ratio)
                         mirror = torch.rand(1) < flip.p
-                except (OSError, SyntaxError, ValueError) as e:
+                except UNREADABLE_IMAGE as e:
                     raise LocalError(f"cannot read image '{path}' ({e}): replace or delete the file") from None
                 columns[2].append(numpy.array([left, top], dtype=numpy.int32))  # DALI's order: x, y
                 columns[3].append(numpy.array([width, height], dtype=numpy.int32))

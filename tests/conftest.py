@@ -6,9 +6,11 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -197,6 +199,18 @@ def resume_mid_epoch(out, interrupted, resumed, damaged=None):
     return r
 
 
+def resume_batchnorm_mid_epoch(out, launch, straight):
+    """A 2-epoch run of a BatchNorm model (tiny_data, -b 32: 3 steps an epoch) stopped by SIGTERM in step 2
+    of epoch 1 and resumed from its checkpoint of that step: every rank's final weights and BatchNorm
+    running statistics (state_sha256 digests both) equal `straight`'s, the same run uninterrupted at the
+    same world size. launch(args, env) runs the trainer under test with its run's other arguments."""
+    r = launch(["--output-dir", out, "--epochs", 2, "-p", 1], signal_at(5))
+    assert r.returncode != 0 and "=> stopped on a signal after step 2 of epoch 1" in r.stdout, r.stdout + r.stderr
+    r = launch(["--output-dir", out, "--epochs", 2, "--resume", "auto"], None).check()
+    assert "(epoch 1, step 2)" in r.stdout and "Epoch: [1][3/3]" in r.stdout, r.stdout
+    assert r.done["state_sha256"] == straight.done["state_sha256"]
+
+
 def float64_weights(out):
     """The final weights of an equivalence run written to out; fails if float64 did not reach the trainer."""
     state = load_state(Path(out) / "checkpoint.pth")["state_dict"]
@@ -309,6 +323,14 @@ def checkpoint(tiny_data, tmp_path_factory):
     return out / "checkpoint.pth"
 
 
+def png_header(width, height):
+    """A PNG's signature, header chunk (8-bit RGB of width x height) and end chunk, with no pixel data."""
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
+
+
 def bad_inputs(tiny_data, checkpoint, tmp):
     """{case: (arguments, launcher, expected message fragment)}, building the broken inputs in tmp."""
     empty = tmp / "empty"
@@ -322,6 +344,9 @@ def bad_inputs(tiny_data, checkpoint, tmp):
     corrupt = shutil.copytree(tiny_data, tmp / "corrupt")
     corrupt_image = sorted((corrupt / "train" / "4").iterdir())[0]
     corrupt_image.write_bytes(corrupt_image.read_bytes()[:100])  # a truncated PNG: its header reads, its pixels not
+    bomb = shutil.copytree(tiny_data, tmp / "bomb")
+    bomb_image = sorted((bomb / "train" / "2").iterdir())[0]
+    bomb_image.write_bytes(png_header(40000, 40000))  # 45 bytes whose header claims 1.6 G pixels: PIL refuses it
     truncated = tmp / "truncated.pth"
     truncated.write_bytes(checkpoint.read_bytes()[:5000])
     malicious = tmp / "malicious.pth"
@@ -364,4 +389,7 @@ def bad_inputs(tiny_data, checkpoint, tmp):
         # Met by one rank, in a DataLoader worker: that rank reports it, and torchrun stops the others.
         "corrupt train image": (["--data", corrupt, "-b", 32, "-j", 1], "torchrun",
                                 f"cannot read image '{corrupt_image}' (image file is truncated)"),
+        # PIL's DecompressionBombError, which is no OSError, read in the training process (-j 0).
+        "decompression bomb image": (["--data", bomb, "-b", 32], "python",
+                                     f"cannot read image '{bomb_image}' (Image size (1600000000 pixels) exceeds limit"),
     }

@@ -24,10 +24,10 @@ SHARED_HELPERS = ["UsageError", "LocalError", "report", "log", "summary", "Argum
                   "write_metrics", "record_interval", "report_communication", "step_range", "start_profile",
                   "profile_step", "report_profile", "union", "intersect", "subtract", "length", "step_split",
                   "load_image", "build_datasets", "normalization", "to_device", "build_model", "SyntheticImages",
-                  "SampleSeeded", "ResumableSampler", "shard_batches", "build_loaders", "import_dali", "DaliLoader",
-                  "AverageMeter", "correct_counts", "lr_schedule", "rng_state", "set_rng_state", "to_cpu",
-                  "checkpoint_paths", "digest", "seal", "intact", "save_checkpoint", "load_checkpoint",
-                  "check_resumable", "resume_training", "state_digest"]
+                  "SampleSeeded", "EpochIndices", "ResumableSampler", "shard_batches", "build_loaders",
+                  "import_dali", "DaliLoader", "AverageMeter", "correct_counts", "lr_schedule", "rng_state",
+                  "set_rng_state", "to_cpu", "checkpoint_paths", "digest", "seal", "intact", "save_checkpoint",
+                  "load_checkpoint", "check_resumable", "resume_training", "state_digest"]
 
 
 def shared_block(path):

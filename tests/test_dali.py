@@ -33,7 +33,6 @@ def test_dali_batches_are_the_default_loaders_up_to_resampling(tiny_data):
         sampler, train_loader, val_loader = distributed.build_loaders(args, train_set, val_set, 2, 1,
                                                                       torch.device("cpu"), 16)
         sampler.set_epoch(1)
-        train_set.set_epoch(1)
         batches[backend] = [next(iter(train_loader)), next(iter(val_loader))]
     for (images, labels), (dali_images, dali_labels) in zip(batches["torch"], batches["dali"]):
         assert dali_images.dtype == torch.uint8 and dali_images.shape == images.shape

@@ -26,7 +26,8 @@ import torch
 import torchvision
 
 from conftest import (EQUIV, FAST, PYTHON, REPO, Result, RunsCode, assert_bf16_follows_float32, environment,
-                      free_port, launch_command, load_state, max_abs_diff, require_engine, run, signal_at)
+                      free_port, launch_command, load_state, max_abs_diff, require_engine,
+                      resume_batchnorm_mid_epoch, run, signal_at)
 
 sys.path.insert(0, str(REPO))
 import distributed  # noqa: E402  (the reference's state_digest)
@@ -162,6 +163,11 @@ def test_resume_is_bitwise(straight, tiny_data, tmp_path):
     assert resumed.done["state_sha256"] == r.done["state_sha256"]
     ignore = {"epoch_time": 0, "images_per_sec": 0, "data_wait": 0, "launcher": 0}
     assert resumed.summaries[0] | ignore == r.summaries[1] | ignore
+
+
+def test_mid_epoch_resume_of_a_batchnorm_model_is_bitwise(straight, tiny_data, tmp_path):
+    resume_batchnorm_mid_epoch(tmp_path, lambda args, env: ds(["--data", tiny_data, "--zero-stage", 3] + RESUME + args,
+                                                              env=env), straight[0])
 
 
 # ---- training equals DDP ----

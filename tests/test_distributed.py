@@ -17,8 +17,8 @@ import torch.nn as nn
 import torchvision
 
 from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, PYTHON, REPO, assert_same_checkpoints, bad_inputs, environment,
-                      fault_at, float64_weights, launch_command, load_state, make_data, max_abs_diff, resume_mid_epoch,
-                      run, stall_a_rank)
+                      fault_at, float64_weights, launch_command, load_state, make_data, max_abs_diff,
+                      resume_batchnorm_mid_epoch, resume_mid_epoch, run, stall_a_rank)
 
 sys.path.insert(0, str(REPO))
 import distributed  # noqa: E402  (the script itself, for its pure helpers)
@@ -150,13 +150,13 @@ def test_same_global_batches_at_any_world_size(tiny_data):
     same images, same random crops and flips, whatever the world size or loader worker count."""
     args = distributed.argument_parser().parse_args(["--data", str(tiny_data), "--image-size", "32"])
     train_set = distributed.SampleSeeded(distributed.build_datasets(args)[0], seed=0)
-    train_set.set_epoch(1)
 
     def first_batch(world, rank):
         sampler = torch.utils.data.distributed.DistributedSampler(train_set, num_replicas=world, rank=rank,
                                                                   seed=0, drop_last=True)
         sampler.set_epoch(1)
-        loader = torch.utils.data.DataLoader(train_set, batch_size=32 // world, sampler=sampler, num_workers=rank)
+        loader = torch.utils.data.DataLoader(train_set, batch_size=32 // world, sampler=distributed.EpochIndices(sampler),
+                                             num_workers=rank)
         return next(iter(loader))
 
     images, labels = first_batch(1, 0)
@@ -196,15 +196,16 @@ def profiles(r, out, nproc, steps):
 
 
 def test_resume_is_bitwise(tiny_data, tmp_path):
+    """At the epoch's end and, for resnet18's BatchNorm statistics too, in the middle of one."""
     args = ["--data", tiny_data, "-b", 32, "--warmup-epochs", 1, "--lr-step-size", 1] + FAST
     # Profiled (steps 1 and 2, of epoch 0): the profiler only observes, the weights stay bitwise those of the split run.
-    r = run(args + ["--epochs", 2, "--output-dir", tmp_path / "straight", "--profile", "1:2"], launcher="torchrun",
+    straight = run(args + ["--epochs", 2, "--output-dir", tmp_path / "straight", "--profile", "1:2"], launcher="torchrun",
             nproc=2).check()
-    for p in profiles(r, tmp_path / "straight", 2, 2):
+    for p in profiles(straight, tmp_path / "straight", 2, 2):
         assert p["comm_exposed"] + p["comm_overlapped"] > 0, p  # DDP's all-reduces, on gloo's threads
     # The volume the first lines state, computed from the model, is what the trace's all-reduces carried:
     # DDP's float32 gradient buckets, of which a ring all-reduce sends 2(N-1)/N from each rank.
-    sent = int(re.search(r"=> communication: ([\d,]+) bytes", r.stdout)[1].replace(",", ""))
+    sent = int(re.search(r"=> communication: ([\d,]+) bytes", straight.stdout)[1].replace(",", ""))
     events = json.loads((tmp_path / "straight" / "trace-rank0.json").read_text())["traceEvents"]
     steps = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name", "").startswith("ProfilerStep#")]
     numel = sum(math.prod(dims) for e in events if e.get("name") == "c10d::allreduce_"
@@ -215,6 +216,7 @@ def test_resume_is_bitwise(tiny_data, tmp_path):
             launcher="torchrun", nproc=2).check()
     assert [s["epoch"] for s in r.summaries] == [1]
     assert_same_checkpoints(tmp_path / "straight", tmp_path / "split")
+    resume_batchnorm_mid_epoch(tmp_path / "mid", lambda extra, env: run(args + extra, "torchrun", 2, env=env), straight)
 
 
 # Rewrites a checkpoint as a GPU run writes one: every storage recorded at cuda:0 (location tags
@@ -363,13 +365,22 @@ def test_resumable_sampler_skips_the_first_global_batches_at_any_world_size():
 
 
 def test_seed_is_deterministic_with_loader_workers(tiny_data, tmp_path):
-    def digest(seed, name):
-        args = ["--data", tiny_data, "-b", 32, "--epochs", 1, "--image-size", 32, "-j", 2, "-p", 1000,
+    """2 epochs with 2 loader workers train the weights no workers do (the same crops and flips, the
+    second epoch's too). The workers are spawned (a fresh interpreter, never a fork of the threaded
+    trainer: CPython gh-112275), once per run: 2 for training and 2 for evaluation, not 4 an epoch."""
+    workers = tmp_path / "workers"
+    workers.mkdir()
+
+    def digest(seed, name, loader_workers):
+        args = ["--data", tiny_data, "-b", 32, "--epochs", 2, "--image-size", 32, "-j", loader_workers, "-p", 1000,
                 "--seed", seed, "--output-dir", tmp_path / name]
-        return run(args).check().done["state_sha256"]
-    first = digest(7, "a")
-    assert digest(7, "b") == first
-    assert digest(8, "c") != first, "a different seed must give different weights"
+        env = {"PYTHONPATH": str(REPO / "tests" / "hooks"), "COOKBOOK_RECORD_WORKERS": str(workers)}
+        return run(args, env=env).check().done["state_sha256"]
+    without_workers = digest(7, "b", 0)
+    assert digest(7, "a", 2) == without_workers
+    started = [path.read_text() for path in workers.iterdir()]
+    assert len(started) == 4 and all("from multiprocessing.spawn import spawn_main" in s for s in started), started
+    assert digest(8, "c", 0) != without_workers, "a different seed must give different weights"
 
 
 # ---- helpers ----
@@ -484,8 +495,8 @@ BAD = ["missing data dir", "no data at all", "empty data dir", "val class missin
        "symlink loop", "unknown arch", "image too small for the arch", "batch below world size",
        "one image per process", "sync-bn on cpu", "other arch checkpoint",
        "truncated checkpoint", "code in checkpoint", "no such checkpoint", "unwritable output dir",
-       "train set below one batch", "corrupt train image", "negative --save-every", "mid-epoch checkpoint, other -b",
-       "--profile not a range", "--profile past the run"]
+       "train set below one batch", "corrupt train image", "decompression bomb image", "negative --save-every",
+       "mid-epoch checkpoint, other -b", "--profile not a range", "--profile past the run"]
 
 
 @pytest.mark.parametrize("case", BAD)

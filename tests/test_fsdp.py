@@ -11,7 +11,8 @@ import pytest
 import torchvision
 
 from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, PYTHON, REPO, RunsCode, assert_bf16_follows_float32,
-                      environment, float64_weights, load_state, max_abs_diff, resume_mid_epoch, run)
+                      environment, float64_weights, load_state, max_abs_diff, resume_batchnorm_mid_epoch, resume_mid_epoch,
+                      run)
 
 sys.path.insert(0, str(REPO))
 import distributed  # noqa: E402  (the reference's state_digest)
@@ -73,6 +74,12 @@ def test_mid_epoch_resume_equals_single_process(tmp_path, single_process_weights
     assert sorted(p.name for p in tmp_path.glob("dcp-*")) == [
         "dcp-epoch0-step2", "dcp-epoch0-step2.sha256", "dcp-epoch1", "dcp-epoch1.sha256"]
     assert max_abs_diff(float64_weights(tmp_path), single_process_weights) <= EQUIV_TOLERANCE
+
+
+def test_mid_epoch_resume_of_a_batchnorm_model_is_bitwise(straight, tiny_data, tmp_path):
+    """resnet18: its BatchNorm running statistics are buffers, which fully_shard leaves whole on every
+    rank, each rank's its own until validate broadcasts rank 0's (test_mid_epoch_resume_... uses GroupNorm)."""
+    resume_batchnorm_mid_epoch(tmp_path, lambda args, env: fsdp(resume_args(tiny_data) + args, env=env), straight[0])
 
 
 def test_export_loads_into_a_plain_torchvision_model(straight):

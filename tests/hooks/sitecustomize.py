@@ -11,6 +11,8 @@ COOKBOOK_SIGNAL_STEP=N   each process sends itself SIGTERM in its N-th optimizer
                          stopping the job would;
 COOKBOOK_RECORD_READS=D  each process appends the path of every file numpy.fromfile reads (the DALI
                          loader's reads) to D/rank<RANK>.txt;
+COOKBOOK_RECORD_WORKERS=D each DataLoader worker writes the command line of its process (how it was
+                         started: a spawned interpreter's names spawn_main) to D/<pid>.txt;
 COOKBOOK_HIDE_DALI=1     nvidia.dali cannot be imported, as where it is not installed;
 COOKBOOK_CUDA_REPORT=DIR each process writes DIR/<its pid>: whether it started CUDA, as it exits.
 """
@@ -75,6 +77,19 @@ if "COOKBOOK_RECORD_READS" in os.environ:
         return original_fromfile(file, *args, **kwargs)
 
     numpy.fromfile = recording_fromfile
+
+if "COOKBOOK_RECORD_WORKERS" in os.environ:
+    import torch.utils.data._utils.worker as worker
+
+    original_worker_loop = worker._worker_loop
+
+    def recording_worker_loop(*args, **kwargs):
+        with open(f"/proc/{os.getpid()}/cmdline", "rb") as cmdline, \
+                open(os.path.join(os.environ["COOKBOOK_RECORD_WORKERS"], f"{os.getpid()}.txt"), "wb") as record:
+            record.write(cmdline.read().replace(b"\0", b" "))
+        return original_worker_loop(*args, **kwargs)
+
+    worker._worker_loop = recording_worker_loop
 
 if os.environ.get("COOKBOOK_HIDE_DALI") == "1":
     import sys
