@@ -319,7 +319,7 @@ def main_worker(args):
         val = validate(val_loader, model, device)
         summary("SUMMARY", method=METHOD, launcher=launcher_name(args), world_size=world_size, device=device.type,
                 epoch=start_epoch - 1, **{f"val_{k}": v for k, v in val.items()})
-        return finish(unwrapped(model, args, num_classes))
+        return finish(model)
 
     def save(epoch, step, loader_state, is_best=False):
         """Checkpoint the state after `step` optimizer steps of `epoch` (a whole epoch: epoch + 1, step 0)."""
@@ -363,7 +363,7 @@ def main_worker(args):
                 images_per_sec=round(train_metrics["count"] / train_time, 1),
                 data_wait=round(data_wait / train_time, 4), lr=optimizer.param_groups[0]["lr"])
         report_data_stall(data_wait, train_time, args)
-    finish(unwrapped(model, args, num_classes), best_acc1=best_acc1)
+    finish(model, best_acc1=best_acc1)
 
 
 def train(loader, model, criterion, optimizer, scheduler, epoch, first_step, steps, device, args, save):
@@ -436,29 +436,10 @@ def validate(loader, model, device):
     return metrics
 
 
-def unwrapped(model, args, num_classes):
-    """A plain torchvision model holding the whole model, on this rank's CPU.
-
-    Collective at ZeRO 3: one layer's parameters at a time are all-gathered, copied to the CPU and
-    freed, so no GPU holds more than one whole layer beyond its shards. The plain model is built on
-    the meta device (no memory, no random init) and takes the copies as they are.
-    """
-    with torch.device("meta"):
-        plain = build_model(args, num_classes)
-    state = {}
-    for prefix, module in model.named_modules():
-        with deepspeed.zero.GatheredParameters(list(module.parameters(recurse=False))):
-            layer = {}
-            module._save_to_state_dict(layer, f"{prefix}." if prefix else "", keep_vars=False)  # not its children
-            state.update({name: tensor.to("cpu", copy=True) for name, tensor in layer.items()})
-    plain.load_state_dict(state, assign=True)
-    return plain
-
-
 def finish(model, best_acc1=None):
-    """Report every rank's digest of the whole final model (each rank's own gathered copy), then leave
-    the process group cleanly."""
-    digests = all_gather_objects(state_digest(model))
+    """Report every rank's digest of the final model, then leave the process group cleanly."""
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):  # ZeRO 3: the whole model, not the shards
+        digests = all_gather_objects(state_digest(model))
     summary("DONE", method=METHOD, state_sha256=digests, ranks_identical=len(set(digests)) == 1,
             **({} if best_acc1 is None else {"best_acc1": best_acc1}))
     if dist.is_initialized():
