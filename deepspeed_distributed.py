@@ -581,8 +581,6 @@ def ignore_stop_signals(worker_id):
     which would die of it (torch's handler) before their trainer has stopped."""
     for signum in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, signal.SIG_IGN)
-    for lock in OUTPUT_LOCK:  # a forked worker's copy: the lock must go when the trainer dies, not with its workers
-        lock.close()
 
 
 def diverged(what, epoch, step, lr):
