@@ -323,6 +323,15 @@ def checkpoint(tiny_data, tmp_path_factory):
     return out / "checkpoint.pth"
 
 
+def trace_op(name, start, end, thread=1, cat="cpu_op"):
+    """A torch.profiler Chrome-trace event (microseconds) on thread `thread` of process 1."""
+    return {"ph": "X", "name": name, "cat": cat, "ts": start, "dur": end - start, "pid": 1, "tid": thread}
+
+
+# Thread 2 of a hand-made trace is gloo's, as torch.profiler names it.
+GLOO_THREAD = {"ph": "M", "name": "thread_name", "args": {"name": "thread 2 (pt_gloo_runloop)"}, "pid": 1, "tid": 2}
+
+
 def png_header(width, height):
     """A PNG's signature, header chunk (8-bit RGB of width x height) and end chunk, with no pixel data."""
     def chunk(kind, data):

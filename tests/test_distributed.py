@@ -16,9 +16,9 @@ import torch
 import torch.nn as nn
 import torchvision
 
-from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, PYTHON, REPO, assert_same_checkpoints, bad_inputs, environment,
-                      fault_at, float64_weights, launch_command, load_state, make_data, max_abs_diff,
-                      resume_batchnorm_mid_epoch, resume_mid_epoch, run, stall_a_rank)
+from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, GLOO_THREAD, PYTHON, REPO, assert_same_checkpoints,
+                      bad_inputs, environment, fault_at, float64_weights, launch_command, load_state, make_data,
+                      max_abs_diff, resume_batchnorm_mid_epoch, resume_mid_epoch, run, stall_a_rank, trace_op)
 
 sys.path.insert(0, str(REPO))
 import distributed  # noqa: E402  (the script itself, for its pure helpers)
@@ -474,15 +474,11 @@ def test_divergence_stops_at_the_next_progress_line(tiny_data, tmp_path):
 def test_step_split_of_a_known_timeline():
     """step_split on a hand-made trace (microseconds): a 100 us step, data 0-10, compute 10-50 and 60-70,
     a gloo all-reduce 40-65 (15 under compute, 10 exposed), the optimizer 80-95 with an op inside it."""
-    main, gloo = {"pid": 1, "tid": 1}, {"pid": 1, "tid": 2}
-
-    def op(name, start, end, thread=main, cat="cpu_op"):
-        return {"ph": "X", "name": name, "cat": cat, "ts": start, "dur": end - start, **thread}
-    events = [{"ph": "M", "name": "thread_name", "args": {"name": "thread 2 (pt_gloo_runloop)"}, **gloo},
-              op("ProfilerStep#0", 0, 100, cat="user_annotation"),
+    op = trace_op
+    events = [GLOO_THREAD, op("ProfilerStep#0", 0, 100, cat="user_annotation"),
               op("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", 0, 10, cat="user_annotation"),
               op("aten::copy_", 2, 8), op("aten::convolution", 10, 50), op("aten::mul", 20, 30), op("aten::add", 60, 70),
-              op("gloo:all_reduce", 40, 65, thread=gloo), op("Optimizer.step#SGD.step", 80, 95, cat="user_annotation"),
+              op("gloo:all_reduce", 40, 65, thread=2), op("Optimizer.step#SGD.step", 80, 95, cat="user_annotation"),
               op("aten::_fused_sgd_", 82, 90)]
     assert distributed.step_split(events) == {"step": 100, "compute": 50, "comm_exposed": 10, "comm_overlapped": 15,
                                               "data_wait": 10, "optimizer": 15, "other": 15}

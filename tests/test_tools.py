@@ -6,7 +6,7 @@ import shutil
 import subprocess
 from xml.etree import ElementTree
 
-from conftest import PYTHON, REPO
+from conftest import GLOO_THREAD, PYTHON, REPO, trace_op
 
 
 def bash(*args):
@@ -74,14 +74,10 @@ def test_statistics_reports_missing_logs(tmp_path):
 def test_plot_profile_draws_each_part_of_a_trace(tmp_path):
     """tools/plot_profile.py on a hand-made trace: one lane per part, with the shares step_split gives
     (a 100 us step: data 10, compute 40, a gloo all-reduce 40-65 of which 10 exposed, optimizer 15)."""
-    main, gloo = {"pid": 1, "tid": 1}, {"pid": 1, "tid": 2}
-
-    def op(name, start, end, thread=main, cat="cpu_op"):
-        return {"ph": "X", "name": name, "cat": cat, "ts": start, "dur": end - start, **thread}
-    events = [{"ph": "M", "name": "thread_name", "args": {"name": "thread 2 (pt_gloo_runloop)"}, **gloo},
-              op("ProfilerStep#0", 0, 100, cat="user_annotation"),
+    op = trace_op
+    events = [GLOO_THREAD, op("ProfilerStep#0", 0, 100, cat="user_annotation"),
               op("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", 0, 10, cat="user_annotation"),
-              op("aten::convolution", 10, 50), op("gloo:all_reduce", 40, 65, thread=gloo),
+              op("aten::convolution", 10, 50), op("gloo:all_reduce", 40, 65, thread=2),
               op("Optimizer.step#SGD.step", 80, 95, cat="user_annotation")]
     (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": events}))
     r = subprocess.run([PYTHON, REPO / "tools" / "plot_profile.py", tmp_path / "trace.json", "--out", tmp_path / "t.svg"],
