@@ -63,8 +63,7 @@ def setup_distributed(args):
     """Check the launch, pick this process's device and join the process group: (rank, world size, device).
     Every flag check runs before the rendezvous, so a bad flag fails all ranks alike and at once."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = pick_device(args, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    device = pick_device(args, int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if args.sync_bn and device.type != "cuda":
         raise UsageError("--sync-bn needs CUDA: SyncBatchNorm works only with CUDA modules (drop --sync-bn on CPU)")
     check_batch(args, world_size, sync_bn=args.sync_bn and world_size > 1)  # one process: plain BatchNorm
@@ -75,9 +74,8 @@ def setup_distributed(args):
 
 
 def launcher_name(args):
-    if args.local_rank is not None:
-        return "torch.distributed.launch"
-    return "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "none"
+    return ("torch.distributed.launch" if args.local_rank is not None
+            else "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "none")
 
 
 # ---- communication: the lines each method does its own way (no-ops without a process group) ----
@@ -94,6 +92,12 @@ def all_gather_objects(obj):
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
+
+
+def gradient_sync(model, last_micro_batch):
+    """no_sync: accumulate gradients locally on all but the last micro-batch, so DDP all-reduces once
+    per optimizer step instead of once per micro-batch."""
+    return contextlib.nullcontext() if last_micro_batch or not isinstance(model, DDP) else model.no_sync()
 
 
 def broadcast_buffers(model):
@@ -180,10 +184,7 @@ def train(loader, model, criterion, optimizer, scheduler, epoch, first_step, ste
     for step in range(first_step, steps):
         for micro in range(accum):
             images, target = to_device(*next(batches), device)
-            # no_sync: accumulate gradients locally on all but the last micro-batch, so DDP
-            # all-reduces once per optimizer step instead of once per micro-batch.
-            skip_sync = micro < accum - 1 and isinstance(model, DDP)
-            with model.no_sync() if skip_sync else contextlib.nullcontext():
+            with gradient_sync(model, micro == accum - 1):
                 output = model(images)
                 loss = criterion(output, target)
                 # Dividing by the micro-batch count makes the accumulated gradient the mean over the

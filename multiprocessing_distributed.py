@@ -42,6 +42,7 @@ import torchvision.datasets as datasets
 import torchvision.models as models
 import torchvision.transforms as transforms
 from PIL import Image
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 METHOD = "ddp-spawn"
@@ -64,26 +65,14 @@ def argument_parser():
 
 def setup_distributed(args):
     """Check the launch, pick this process's device and join the process group: (rank, world size, device).
-
-    Every flag check runs before the rendezvous, so a bad flag fails all ranks alike and at once; the
-    output directory's runs on rank 0 right after it, and every rank stops on its verdict.
-    """
+    Every flag check runs before the rendezvous, so a bad flag fails all ranks alike and at once."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = pick_device(args, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    device = pick_device(args, int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if args.sync_bn and device.type != "cuda":
         raise UsageError("--sync-bn needs CUDA: SyncBatchNorm works only with CUDA modules (drop --sync-bn on CPU)")
     check_batch(args, world_size, sync_bn=args.sync_bn and world_size > 1)  # one process: plain BatchNorm
-    if world_size > 1:
-        try:
-            # nccl on GPUs, gloo on the CPU; device_id binds the group to this GPU (none on the CPU).
-            dist.init_process_group(dist.get_default_backend_for_device(device),
-                                    timeout=timedelta(seconds=args.dist_timeout),
-                                    device_id=None if device.type == "cpu" else device)
-        except dist.DistNetworkError as e:
-            raise UsageError(f"cannot join the process group at {os.environ.get('MASTER_ADDR')}:"
-                             f"{os.environ.get('MASTER_PORT')} ({str(e).splitlines()[0]}): if the port is "
-                             "in use pass another --port") from None
+    if world_size > 1:  # the rendezvous worker() set up (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)
+        join_process_group(device, args, "pass another --port")
     check_output_dir(args)  # collective: after the processes have joined
     return RANK, world_size, device
 
@@ -121,40 +110,18 @@ def all_gather_objects(obj):
     return gathered
 
 
+def gradient_sync(model, last_micro_batch):
+    """no_sync: accumulate gradients locally on all but the last micro-batch, so DDP all-reduces once
+    per optimizer step instead of once per micro-batch."""
+    return contextlib.nullcontext() if last_micro_batch or not isinstance(model, DDP) else model.no_sync()
+
+
 def broadcast_buffers(model):
     """Rank 0's BatchNorm statistics to every rank: gradients are averaged, statistics are not (each
     rank's come from its own batch). Then the evaluation and the checkpoint are those of one model."""
     if dist.is_initialized():
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
-
-
-def stalled_ranks(grace=5.0):
-    """After a collective timed out, the ranks that stalled.
-
-    The timed-out group's connections are closed, so every rank still alive checks in on the
-    rendezvous store instead (torchrun's, or rank 0's without it) and, after `grace` seconds for the
-    others to time out too, lists who did not. A store that does not answer is rank 0's: rank 0 stalled.
-    """
-    if "MASTER_ADDR" not in os.environ:  # a file:// rendezvous: no store to meet on
-        return []
-    key = f"cookbook/alive/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"  # one namespace per torchrun attempt
-    world_size, alive = dist.get_world_size(), []
-
-    def check_in():  # in a thread: a client of a stopped store waits for ever, whatever its timeout
-        try:
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                  timeout=timedelta(seconds=grace))
-            store.set(key + str(RANK), "1")
-            time.sleep(grace)
-            alive.extend(r for r in range(world_size) if store.check([key + str(r)]))
-        except dist.DistError:
-            pass
-
-    thread = threading.Thread(target=check_in, daemon=True)
-    thread.start()
-    thread.join(3 * grace)
-    return [r for r in range(world_size) if r not in alive] if alive else [0]
 
 
 def main(argv=None):
@@ -182,36 +149,10 @@ def main(argv=None):
 def worker(local_rank, args):
     """Each spawned process: set what a launcher would have set (setup_distributed reads it), then train."""
     global RANK
-    # A spawned process inherits the parent's "spawn" start method, so its DataLoader workers would
-    # start a fresh interpreter (and import torch) every epoch: 12.4 s per demo epoch instead of 7.5
-    # here. Back to the platform's default (fork on Linux), as under torchrun.
-    mp.set_start_method(None, force=True)
     RANK = args.node_rank * args.nprocs + local_rank
     os.environ.update(MASTER_ADDR=args.ip, MASTER_PORT=str(args.port), WORLD_SIZE=str(args.nnodes * args.nprocs),
                       RANK=str(RANK), LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(args.nprocs))
-    try:
-        main_worker(args)
-    except UsageError as e:
-        report(e)
-        sys.exit(2)
-    except Stopped:
-        if dist.is_initialized():  # no rank leaves before rank 0 has written the checkpoint
-            dist.barrier()
-            dist.destroy_process_group()
-        sys.exit(143)  # 128 + SIGTERM, as if the signal had ended the process: not a success, so it is requeued
-    except RuntimeError as e:
-        # gloo's words for a timed-out collective: on the one that waited, or on a later one that
-        # found its connections closed by the timeout.
-        if not (dist.is_initialized() and ("Timed out waiting" in str(e) or "Application timeout" in str(e))):
-            raise
-        stalled = stalled_ranks()
-        if not stalled:
-            raise
-        if RANK == min(set(range(dist.get_world_size())) - set(stalled)):  # one line, from the lowest live rank
-            print(f"error: rank(s) {', '.join(map(str, stalled))} stalled: the others waited --dist-timeout "
-                  f"{args.dist_timeout:g} s for them in a collective (a hang, a stopped process, or far slower "
-                  "work: py-spy dump shows where it is)", file=sys.stderr, flush=True)
-        sys.exit(1)
+    run(main_worker, args)
 
 
 def main_worker(args):
@@ -229,23 +170,12 @@ def main_worker(args):
     # gradient_as_bucket_view: the gradients live in those buckets, one copy fewer of them in memory.
     parallel_model = DDP(model, gradient_as_bucket_view=True) if world_size > 1 else model
     micro_batch = args.batch_size // world_size // args.grad_accum_steps
-    log(f"=> {METHOD}: world size {world_size}, device {device.type}, arch {args.arch}, global batch "
-        f"{args.batch_size} ({micro_batch} per process x {args.grad_accum_steps} micro-batches), "
-        f"launcher {launcher_name(args)}")
+    report_start(world_size, device, micro_batch, args)
     report_communication(model, world_size, ("all_reduce", None, 1))  # DDP: the gradients, once per step
-
-    # Every rank must shuffle with the same seed, or their shares would not partition the data: rank
-    # 0's, and a resumed run's is the checkpoint's, so that its epoch's order is the interrupted one.
-    args.seed = checkpoint["args"]["seed"] if checkpoint else all_gather_objects(
-        int.from_bytes(os.urandom(4), "little") if args.seed is None else args.seed)[0]
-    train_set = SampleSeeded(train_set, args.seed)
+    args.seed = common_seed(checkpoint, args)  # every rank shuffles alike: their shares partition the data
     train_sampler, train_loader, val_loader = build_loaders(args, train_set, val_set, world_size, rank, device,
                                                             micro_batch)
     steps_per_epoch = len(train_loader) // args.grad_accum_steps
-    if steps_per_epoch == 0 and not args.evaluate:
-        raise UsageError(f"the train set ({len(train_set)} images) is smaller than one global batch "
-                         f"(-b {args.batch_size}): lower -b")
-
     criterion = nn.CrossEntropyLoss()
     # fused: one kernel updates every parameter, on GPUs and on CPUs (3x faster than the default loop here).
     optimizer = torch.optim.SGD(model.parameters(), args.lr * args.batch_size / 256, momentum=args.momentum,
@@ -256,9 +186,7 @@ def main_worker(args):
     open_metrics(args, start_epoch, start_step, steps_per_epoch)  # rank 0: metrics.jsonl, past steps only
     start_profile(args, device, start_epoch, start_step, steps_per_epoch)  # --profile: every rank
     if args.evaluate:
-        val = validate(val_loader, model, device)
-        summary("SUMMARY", method=METHOD, launcher=launcher_name(args), world_size=world_size, device=device.type,
-                epoch=start_epoch - 1, **{f"val_{k}": v for k, v in val.items()})
+        report_epoch(start_epoch - 1, validate(val_loader, model, device), world_size, device, args)
         return finish(model)
 
     def save(epoch, step, loader_state, is_best=False):
@@ -279,73 +207,38 @@ def main_worker(args):
         # checkpoints keep the state from before that draw, so a resumed epoch makes the same one.
         loader_state = train_loader.generator.get_state()
         start = time.perf_counter()
-        train_metrics, train_time, data_wait = train(train_loader, parallel_model, criterion, optimizer, scheduler,
-                                                     epoch, start_step, steps_per_epoch, device, args,
-                                                     lambda step: save(epoch, step, loader_state))
+        trained = train(train_loader, parallel_model, criterion, optimizer, scheduler, epoch, start_step,
+                        steps_per_epoch, device, args, lambda step: save(epoch, step, loader_state))
         start_step = 0
         val = validate(val_loader, model, device)
         is_best, best_acc1 = val["acc1"] > best_acc1, max(val["acc1"], best_acc1)
         save(epoch + 1, 0, train_loader.generator.get_state(), is_best)
-        summary("SUMMARY", method=METHOD, launcher=launcher_name(args), world_size=world_size, device=device.type,
-                epoch=epoch, train_loss=train_metrics["loss"], train_acc1=train_metrics["acc1"],
-                val_loss=val["loss"], val_acc1=val["acc1"], val_acc5=val["acc5"], val_count=val["count"],
-                epoch_time=round(time.perf_counter() - start, 3),
-                images_per_sec=round(train_metrics["count"] / train_time, 1),
-                data_wait=round(data_wait / train_time, 4), lr=optimizer.param_groups[0]["lr"])
-        report_data_stall(data_wait, train_time, args)
+        report_epoch(epoch, val, world_size, device, args, trained, start, optimizer.param_groups[0]["lr"])
     finish(model, best_acc1=best_acc1)
 
 
 def train(loader, model, criterion, optimizer, scheduler, epoch, first_step, steps, device, args, save):
-    """One epoch from optimizer step first_step (after a mid-epoch resume, else 0), calling save(step)
-    every --save-every steps. Returns (globally reduced metrics, seconds, seconds spent waiting for data)."""
+    """One epoch from optimizer step first_step (after a mid-epoch resume, else 0); between steps Progress
+    logs, checks and checkpoints (save). Returns (globally reduced metrics, seconds, seconds of data wait)."""
     model.train()
-    meter = AverageMeter(device)
+    progress = Progress(epoch, first_step, steps, device, args, save)
+    batches = progress.timed(loader)  # the loader's batches, timing the wait for each
     accum = args.grad_accum_steps
-    batches = iter(loader)
-    data_wait = interval_wait = 0.0
-    start = interval_start = time.perf_counter()
     for step in range(first_step, steps):
         for micro in range(accum):
-            t0 = time.perf_counter()
-            images, target = next(batches)
-            waited = time.perf_counter() - t0
-            data_wait, interval_wait = data_wait + waited, interval_wait + waited
-            images, target = to_device(images, target, device)
-            # no_sync: accumulate gradients locally on all but the last micro-batch, so DDP
-            # all-reduces once per optimizer step instead of once per micro-batch.
-            skip_sync = micro < accum - 1 and isinstance(model, DDP)
-            with model.no_sync() if skip_sync else contextlib.nullcontext():
+            images, target = to_device(*next(batches), device)
+            with gradient_sync(model, micro == accum - 1):
                 output = model(images)
                 loss = criterion(output, target)
                 # Dividing by the micro-batch count makes the accumulated gradient the mean over the
                 # whole global batch, as if it had been one batch.
                 (loss / accum).backward()
-            meter.update(loss.detach() * target.size(0), *correct_counts(output.detach(), target), target.size(0))
+            progress.update(loss, output, target)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
-        profile_step()  # --profile: the step boundary of the trace
-        if (step + 1) % args.print_freq == 0 or step + 1 == steps:
-            metrics = meter.reduced()  # the only host sync: once per print interval
-            now, done = time.perf_counter(), min(step % args.print_freq, step - first_step) + 1
-            log(f"Epoch: [{epoch}][{step + 1:{len(str(steps))}d}/{steps}]  Time {(now - interval_start) / done:6.3f}  "
-                f"Data {interval_wait / done:6.3f}  Loss {metrics['loss']:.4e}  Acc@1 {metrics['acc1']:6.2f}  "
-                f"Acc@5 {metrics['acc5']:6.2f}")
-            record_interval(epoch, step + 1, (now - interval_start) / done, interval_wait / done, metrics,
-                            optimizer.param_groups[0]["lr"])
-            interval_start, interval_wait = now, 0.0
-            if not math.isfinite(metrics["loss"]):
-                raise diverged(f"the training loss is {metrics['loss']}", epoch, step + 1,
-                               optimizer.param_groups[0]["lr"])
-            if metrics["stop"]:  # a rank got SIGTERM or SIGUSR1: every rank stops after this same step
-                save(step + 1)
-                log(f"=> stopped on a signal after step {step + 1} of epoch {epoch}, checkpoint written: "
-                    "--resume auto continues from it")
-                raise Stopped()
-        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < steps:  # the last: main_worker's
-            save(step + 1)
-    return meter.reduced(), time.perf_counter() - start, data_wait
+        progress.step_done(step, optimizer.param_groups[0]["lr"])  # may checkpoint, or stop every rank
+    return progress.result()
 
 
 def validate(loader, model, device):
@@ -360,10 +253,7 @@ def validate(loader, model, device):
             output = model(images)
             meter.update(F.cross_entropy(output, target, reduction="none").double().sum(),
                          *correct_counts(output, target), target.size(0))
-    metrics = meter.reduced()
-    log(f" * Acc@1 {metrics['acc1']:.3f} Acc@5 {metrics['acc5']:.3f} Loss {metrics['loss']:.4f} "
-        f"({metrics['count']} images)")
-    return metrics
+    return meter.evaluated()
 
 
 def finish(model, best_acc1=None):
@@ -371,9 +261,12 @@ def finish(model, best_acc1=None):
     digests = all_gather_objects(state_digest(model))
     summary("DONE", method=METHOD, state_sha256=digests, ranks_identical=len(set(digests)) == 1,
             **({} if best_acc1 is None else {"best_acc1": best_acc1}))
+    leave_process_group()
+
+
+def leave_process_group():
+    """A barrier first: a rank that exits while a peer is still in a collective can make the peer abort."""
     if dist.is_initialized():
-        # A barrier before teardown: a rank that exits while a peer is still in a collective can
-        # make the peer abort at interpreter exit.
         dist.barrier()
         dist.destroy_process_group()
 
@@ -492,6 +385,76 @@ STOP_SIGNALS = []  # the stop signals this process received (stop_on_signals)
 
 class Stopped(Exception):
     """Every rank stopped training after the same step, on a signal, and rank 0 wrote a checkpoint."""
+
+
+def join_process_group(device, args, port_hint, **kwargs):
+    """init_process_group: nccl on GPUs, gloo on the CPU; device_id binds the group to this GPU (none on
+    the CPU). A rendezvous that fails is one error line; port_hint: what to do if the port is in use."""
+    try:
+        dist.init_process_group(dist.get_default_backend_for_device(device), device_id=None if device.type == "cpu"
+                                else device, timeout=timedelta(seconds=args.dist_timeout), **kwargs)
+    except dist.DistNetworkError as e:
+        raise UsageError(f"cannot join the process group at {os.environ.get('MASTER_ADDR')}:"
+                         f"{os.environ.get('MASTER_PORT')} ({str(e).splitlines()[0]}): if the port is in use "
+                         f"{port_hint}") from None
+
+
+# @record: under torchrun, an uncaught exception's traceback goes into torchrun's failure summary,
+# which otherwise only says "To enable traceback see ...".
+@record
+def run(main_worker, args):
+    """Train, and end the way launchers and schedulers understand: bad input is one error line and exit
+    2; a stop signal, exit 143 once the checkpoint is written; a timed-out collective, one line naming
+    the ranks that stalled and exit 1. Anything else is a bug: its traceback."""
+    try:
+        main_worker(args)
+    except UsageError as e:
+        report(e)
+        sys.exit(2)
+    except Stopped:
+        leave_process_group()  # no rank leaves before rank 0 has written the checkpoint
+        sys.exit(143)  # 128 + SIGTERM, as if the signal had ended the process: not a success, so it is requeued
+    except RuntimeError as e:
+        # gloo's words for a timed-out collective: on the one that waited, or on a later one that
+        # found its connections closed by the timeout.
+        if not (dist.is_initialized() and ("Timed out waiting" in str(e) or "Application timeout" in str(e))):
+            raise
+        stalled = stalled_ranks()
+        if not stalled:
+            raise
+        if RANK == min(set(range(dist.get_world_size())) - set(stalled)):  # one line, from the lowest live rank
+            print(f"error: rank(s) {', '.join(map(str, stalled))} stalled: the others waited --dist-timeout "
+                  f"{args.dist_timeout:g} s for them in a collective (a hang, a stopped process, or far slower "
+                  "work: py-spy dump shows where it is)", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def stalled_ranks(grace=5.0):
+    """After a collective timed out, the ranks that stalled.
+
+    The timed-out group's connections are closed, so every rank still alive checks in on the
+    rendezvous store instead (torchrun's, or rank 0's without it) and, after `grace` seconds for the
+    others to time out too, lists who did not. A store that does not answer is rank 0's: rank 0 stalled.
+    """
+    if "MASTER_ADDR" not in os.environ:  # a file:// rendezvous: no store to meet on
+        return []
+    key = f"cookbook/alive/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"  # one namespace per torchrun attempt
+    world_size, alive = dist.get_world_size(), []
+
+    def check_in():  # in a thread: a client of a stopped store waits for ever, whatever its timeout
+        try:
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                  timeout=timedelta(seconds=grace))
+            store.set(key + str(RANK), "1")
+            time.sleep(grace)
+            alive.extend(r for r in range(world_size) if store.check([key + str(r)]))
+        except dist.DistError:
+            pass
+
+    thread = threading.Thread(target=check_in, daemon=True)
+    thread.start()
+    thread.join(3 * grace)
+    return [r for r in range(world_size) if r not in alive] if alive else [0]
 
 
 def stop_on_signals():
@@ -627,6 +590,28 @@ def claim_output_dir(args):
 DATA_STALL_SHARE = 0.2
 
 
+def common_seed(checkpoint, args):
+    """The seed every rank shuffles with, or their shares would not partition the data: rank 0's
+    (--seed's or drawn), and a resumed run's is the checkpoint's, so that its epoch's order is the
+    interrupted one. Collective."""
+    return checkpoint["args"]["seed"] if checkpoint else all_gather_objects(
+        int.from_bytes(os.urandom(4), "little") if args.seed is None else args.seed)[0]
+
+
+def report_epoch(epoch, val, world_size, device, args, trained=None, start=None, lr=None):
+    """The epoch's SUMMARY line (-e: the evaluation's), then a data stall, if the input limited the epoch.
+    trained: train()'s (metrics, seconds, seconds of data wait); start: the epoch's time.perf_counter()."""
+    fields = dict(method=METHOD, launcher=launcher_name(args), world_size=world_size, device=device.type, epoch=epoch)
+    if trained is None:
+        return summary("SUMMARY", **fields, **{f"val_{k}": v for k, v in val.items()})
+    metrics, train_time, data_wait = trained
+    summary("SUMMARY", **fields, train_loss=metrics["loss"], train_acc1=metrics["acc1"], val_loss=val["loss"],
+            val_acc1=val["acc1"], val_acc5=val["acc5"], val_count=val["count"],
+            epoch_time=round(time.perf_counter() - start, 3), images_per_sec=round(metrics["count"] / train_time, 1),
+            data_wait=round(data_wait / train_time, 4), lr=lr)
+    report_data_stall(data_wait, train_time, args)
+
+
 def report_data_stall(data_wait, train_time, args):
     """One line (rank 0) after an epoch whose data-wait share exceeds DATA_STALL_SHARE, saying what to try."""
     share = data_wait / max(train_time, 1e-9)
@@ -699,6 +684,12 @@ def record_interval(epoch, step, step_time, data_time, metrics, lr):
     """A print interval's progress line, as a metrics.jsonl record ("train")."""
     write_metrics("train", (epoch, step), step_time=round(step_time, 4), data_time=round(data_time, 4),
                   loss=metrics["loss"], acc1=metrics["acc1"], acc5=metrics["acc5"], lr=lr)
+
+
+def report_start(world_size, device, micro_batch, args):
+    log(f"=> {METHOD}: world size {world_size}, device {device.type}, arch {args.arch}, global batch "
+        f"{args.batch_size} ({micro_batch} per process x {args.grad_accum_steps} micro-batches), "
+        f"launcher {launcher_name(args)}")
 
 
 def report_communication(model, world_size, *collectives):
@@ -1050,6 +1041,7 @@ def shard_batches(count, num_replicas, rank, batch_size):
 
 def build_loaders(args, train_set, val_set, world_size, rank, device, micro_batch):
     """This rank's train sampler, train loader and val loader, of --data-backend's kind."""
+    train_set = SampleSeeded(train_set, args.seed)  # random crops and flips fixed per (seed, epoch, image)
     # DistributedSampler gives each rank a disjoint 1/W of a permutation that depends only on
     # (seed, epoch), so the ranks' micro-batches of one step together form the batch one process
     # would take. drop_last: drop the tail instead of padding it with duplicates.
@@ -1058,8 +1050,9 @@ def build_loaders(args, train_set, val_set, world_size, rank, device, micro_batc
     val_batches = shard_batches(len(val_set), world_size, rank, args.val_batch_size)
     if args.data_backend == "dali":
         train_batches = torch.utils.data.BatchSampler(train_sampler, max(1, micro_batch), drop_last=True)
-        return (train_sampler, DaliLoader(train_set, train_batches, max(1, micro_batch), args, device),
-                DaliLoader(val_set, val_batches, args.val_batch_size, args, device))
+        train_loader = DaliLoader(train_set, train_batches, max(1, micro_batch), args, device)
+        check_steps(train_loader, train_set, args)
+        return train_sampler, train_loader, DaliLoader(val_set, val_batches, args.val_batch_size, args, device)
     # Workers started by spawn (a fresh interpreter: fork + exec), once per run (persistent), never
     # forked from this process, whose torch threads may hold locks a fork copies held for ever
     # (CPython gh-112275: a hang at an epoch's start); not by forkserver, which a launcher's SIGTERM
@@ -1070,7 +1063,14 @@ def build_loaders(args, train_set, val_set, world_size, rank, device, micro_batc
     train_loader = torch.utils.data.DataLoader(train_set, max(1, micro_batch), sampler=EpochIndices(train_sampler),
                                                generator=torch.Generator().manual_seed(args.seed + rank),
                                                drop_last=True, **loader_args)
+    check_steps(train_loader, train_set, args)
     return train_sampler, train_loader, torch.utils.data.DataLoader(val_set, batch_sampler=val_batches, **loader_args)
+
+
+def check_steps(train_loader, train_set, args):
+    if len(train_loader) < args.grad_accum_steps and not args.evaluate:
+        raise UsageError(f"the train set ({len(train_set)} images) is smaller than one global batch "
+                         f"(-b {args.batch_size}): lower -b")
 
 
 def import_dali():
@@ -1197,12 +1197,70 @@ class AverageMeter:
         self.sums[:3] += torch.stack([loss_sum.double(), correct1.double(), correct5.double()])
         self.sums[3] += count  # a Python number: a kernel argument, not a host-to-device copy
 
+    def evaluated(self):
+        """The evaluation's metrics, reduced over ranks, and its line."""
+        metrics = self.reduced()
+        log(f" * Acc@1 {metrics['acc1']:.3f} Acc@5 {metrics['acc5']:.3f} Loss {metrics['loss']:.4f} "
+            f"({metrics['count']} images)")
+        return metrics
+
     def reduced(self):
         self.sums[4] = len(STOP_SIGNALS)
         loss, correct1, correct5, count, stop = all_reduce_sum(self.sums.clone()).tolist()
         per = max(count, 1)
         return {"count": int(count), "loss": loss / per, "acc1": correct1 / per * 100, "acc5": correct5 / per * 100,
                 "stop": stop > 0}
+
+
+class Progress:
+    """train()'s bookkeeping between steps, the same for every method: the time spent waiting for data;
+    every --print-freq steps the progress line and metrics record (the only host sync), a check that the
+    loss is finite and the stop signal (a checkpoint, then every rank stops after this same step); and
+    --save-every's checkpoints. save(step) checkpoints the epoch after that many steps."""
+
+    def __init__(self, epoch, first_step, steps, device, args, save):
+        self.epoch, self.first_step, self.steps, self.args, self.save = epoch, first_step, steps, args, save
+        self.meter = AverageMeter(device)
+        self.data_wait = self.interval_wait = 0.0
+        self.start = self.interval_start = time.perf_counter()
+
+    def timed(self, loader):
+        batches = iter(loader)
+        while True:
+            start = time.perf_counter()
+            batch = next(batches, None)
+            waited = time.perf_counter() - start
+            self.data_wait, self.interval_wait = self.data_wait + waited, self.interval_wait + waited
+            if batch is None:
+                return
+            yield batch
+
+    def update(self, loss, output, target):
+        self.meter.update(loss.detach() * target.size(0), *correct_counts(output.detach(), target), target.size(0))
+
+    def step_done(self, step, lr):
+        profile_step()  # --profile: the step boundary of the trace
+        epoch, steps, args = self.epoch, self.steps, self.args
+        if (step + 1) % args.print_freq == 0 or step + 1 == steps:
+            metrics = self.meter.reduced()  # the only host sync: once per print interval
+            now, done = time.perf_counter(), min(step % args.print_freq, step - self.first_step) + 1
+            step_time, data_time = (now - self.interval_start) / done, self.interval_wait / done
+            log(f"Epoch: [{epoch}][{step + 1:{len(str(steps))}d}/{steps}]  Time {step_time:6.3f}  Data {data_time:6.3f}"
+                f"  Loss {metrics['loss']:.4e}  Acc@1 {metrics['acc1']:6.2f}  Acc@5 {metrics['acc5']:6.2f}")
+            record_interval(epoch, step + 1, step_time, data_time, metrics, lr)
+            self.interval_start, self.interval_wait = now, 0.0
+            if not math.isfinite(metrics["loss"]):
+                raise diverged(f"the training loss is {metrics['loss']}", epoch, step + 1, lr)
+            if metrics["stop"]:  # a rank got SIGTERM or SIGUSR1: every rank stops after this same step
+                self.save(step + 1)
+                log(f"=> stopped on a signal after step {step + 1} of epoch {epoch}, checkpoint written: "
+                    "--resume auto continues from it")
+                raise Stopped()
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < steps:  # the last: main_worker's
+            self.save(step + 1)
+
+    def result(self):
+        return self.meter.reduced(), time.perf_counter() - self.start, self.data_wait
 
 
 def correct_counts(output, target, topk=(1, 5)):
