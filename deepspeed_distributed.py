@@ -14,6 +14,7 @@ import contextlib
 import difflib
 import fcntl
 import functools
+import gc
 import hashlib
 import itertools
 import json
@@ -475,6 +476,10 @@ def run(main_worker, args):
     the ranks that stalled and exit 1. Anything else is a bug: its traceback."""
     try:
         main_worker(args)
+        # FSDP's modules reach themselves through their hooks and state, so they outlive main_worker until
+        # a cyclic garbage collection. Left to the one at interpreter exit, their freeing (and that of the
+        # gloo work they hold) can abort the process (seen once in CI): free them now, while it is whole.
+        gc.collect()
     except UsageError as e:
         report(e)
         sys.exit(2)

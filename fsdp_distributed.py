@@ -281,35 +281,7 @@ def load_sharded(checkpoint, model, optimizer, args):
 
 
 def main(argv=None):
-    args = argument_parser().parse_args(argv)
-    try:
-        main_worker(args)
-        # fully_shard's modules reach themselves through their hooks and state, so they outlive
-        # main_worker until a cyclic garbage collection. Left to the one at interpreter exit, their
-        # freeing (and that of the gloo work they hold) can abort the process (seen once in CI): free
-        # them now, while the interpreter is whole.
-        gc.collect()
-    except UsageError as e:
-        report(e)
-        sys.exit(2)
-    except Stopped:
-        if dist.is_initialized():  # no rank leaves before rank 0 has written the checkpoint
-            dist.barrier()
-            dist.destroy_process_group()
-        sys.exit(143)  # 128 + SIGTERM, as if the signal had ended the process: not a success, so it is requeued
-    except RuntimeError as e:
-        # gloo's words for a timed-out collective: on the one that waited, or on a later one that
-        # found its connections closed by the timeout.
-        if not (dist.is_initialized() and ("Timed out waiting" in str(e) or "Application timeout" in str(e))):
-            raise
-        stalled = stalled_ranks()
-        if not stalled:
-            raise
-        if RANK == min(set(range(dist.get_world_size())) - set(stalled)):  # one line, from the lowest live rank
-            print(f"error: rank(s) {', '.join(map(str, stalled))} stalled: the others waited --dist-timeout "
-                  f"{args.dist_timeout:g} s for them in a collective (a hang, a stopped process, or far slower "
-                  "work: py-spy dump shows where it is)", file=sys.stderr, flush=True)
-        sys.exit(1)
+    run(main_worker, argument_parser().parse_args(argv))  # the exit status and error line of every way it can end
 
 
 def main_worker(args):
@@ -594,6 +566,10 @@ def run(main_worker, args):
     the ranks that stalled and exit 1. Anything else is a bug: its traceback."""
     try:
         main_worker(args)
+        # FSDP's modules reach themselves through their hooks and state, so they outlive main_worker until
+        # a cyclic garbage collection. Left to the one at interpreter exit, their freeing (and that of the
+        # gloo work they hold) can abort the process (seen once in CI): free them now, while it is whole.
+        gc.collect()
     except UsageError as e:
         report(e)
         sys.exit(2)
