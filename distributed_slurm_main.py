@@ -71,7 +71,7 @@ def setup_distributed(args):
     if args.sync_bn and device.type != "cuda":
         raise UsageError("--sync-bn needs CUDA: SyncBatchNorm works only with CUDA modules (drop --sync-bn on CPU)")
     check_batch(args, world_size, sync_bn=args.sync_bn and world_size > 1)  # one process: plain BatchNorm
-    if world_size > 1:  # the rendezvous slurm_environment() set up (MASTER_ADDR, MASTER_PORT), or --dist-file
+    if world_size > 1:  # slurm_environment()'s rendezvous (MASTER_ADDR, MASTER_PORT), or --dist-file
         # --dist-file: one file per job, step and requeue, as a killed run leaves its file behind.
         job = ".".join(os.environ.get(k, "0") for k in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT"))
         join_process_group(device, args, "set MASTER_PORT to a free one (default 10000 + job id % 20000)",
@@ -207,8 +207,7 @@ def main_worker(args):
     # gradient_as_bucket_view: the gradients live in those buckets, one copy fewer of them in memory.
     parallel_model = DDP(model, gradient_as_bucket_view=True) if world_size > 1 else model
     micro_batch = args.batch_size // world_size // args.grad_accum_steps
-    report_start(world_size, device, micro_batch, args)
-    report_communication(model, world_size, ("all_reduce", None, 1))  # DDP: the gradients, once per step
+    report_start(model, world_size, device, micro_batch, args, ("all_reduce", None, 1))  # DDP: the gradients
     args.seed = common_seed(checkpoint, args)  # every rank shuffles alike: their shares partition the data
     train_sampler, train_loader, val_loader = build_loaders(args, train_set, val_set, world_size, rank, device,
                                                             micro_batch)
@@ -727,10 +726,12 @@ def record_interval(epoch, step, step_time, data_time, metrics, lr):
                   loss=metrics["loss"], acc1=metrics["acc1"], acc5=metrics["acc5"], lr=lr)
 
 
-def report_start(world_size, device, micro_batch, args):
+def report_start(model, world_size, device, micro_batch, args, *collectives):
+    """The run's first lines: what trains where, and the bytes each rank sends per step (report_communication)."""
     log(f"=> {METHOD}: world size {world_size}, device {device.type}, arch {args.arch}, global batch "
         f"{args.batch_size} ({micro_batch} per process x {args.grad_accum_steps} micro-batches), "
         f"launcher {launcher_name(args)}")
+    report_communication(model, world_size, *collectives)
 
 
 def report_communication(model, world_size, *collectives):

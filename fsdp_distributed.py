@@ -305,9 +305,8 @@ def main_worker(args):
     shard_model(model, init_device_mesh(device.type, (world_size,)), args)
     parallel_model = model  # fully_shard changed it in place
     micro_batch = args.batch_size // world_size // args.grad_accum_steps
-    report_start(world_size, device, micro_batch, args)
-    report_communication(model, world_size, ("all_gather", args.param_dtype, 2 * args.grad_accum_steps),
-                         ("reduce_scatter", args.reduce_dtype, 1))  # parameters gathered in forward and backward
+    report_start(model, world_size, device, micro_batch, args,  # parameters gathered in forward and backward
+                 ("all_gather", args.param_dtype, 2 * args.grad_accum_steps), ("reduce_scatter", args.reduce_dtype, 1))
     args.seed = common_seed(checkpoint, args)  # every rank shuffles alike: their shares partition the data
     train_sampler, train_loader, val_loader = build_loaders(args, train_set, val_set, world_size, rank, device,
                                                             micro_batch)
@@ -848,10 +847,12 @@ def record_interval(epoch, step, step_time, data_time, metrics, lr):
                   loss=metrics["loss"], acc1=metrics["acc1"], acc5=metrics["acc5"], lr=lr)
 
 
-def report_start(world_size, device, micro_batch, args):
+def report_start(model, world_size, device, micro_batch, args, *collectives):
+    """The run's first lines: what trains where, and the bytes each rank sends per step (report_communication)."""
     log(f"=> {METHOD}: world size {world_size}, device {device.type}, arch {args.arch}, global batch "
         f"{args.batch_size} ({micro_batch} per process x {args.grad_accum_steps} micro-batches), "
         f"launcher {launcher_name(args)}")
+    report_communication(model, world_size, *collectives)
 
 
 def report_communication(model, world_size, *collectives):
