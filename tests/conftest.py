@@ -110,7 +110,8 @@ def require_engine(module, install, env=None):
 
 
 def script_module(script):
-    """A trainer script imported as a module, under its own name (for its pure helpers)."""
+    """A script of the repository (a trainer, a tool) imported as a module, under its own name (for its
+    pure helpers)."""
     spec = importlib.util.spec_from_file_location(Path(script).stem, REPO / script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,4 +1,5 @@
-"""statistics.sh on fixture logs, start.sh's command lines (--dry-run), gpu_check.sh's refusal without GPUs."""
+"""statistics.sh on fixture logs, start.sh's command lines (--dry-run), gpu_check.sh's refusal without GPUs;
+README's computed table column, its snippets of the scripts, and the links of README and docs/."""
 import json
 import os
 import re
@@ -6,7 +7,9 @@ import shutil
 import subprocess
 from xml.etree import ElementTree
 
-from conftest import GLOO_THREAD, PYTHON, REPO, trace_op
+from conftest import GLOO_THREAD, PYTHON, REPO, script_module, trace_op
+
+readme_table = script_module("tools/readme_table.py")
 
 
 def bash(*args):
@@ -153,3 +156,96 @@ def test_gpu_check_refuses_a_machine_without_gpus(tmp_path):
     assert r.returncode == 2 and r.stdout == "", r.stdout
     assert r.stderr.splitlines() == ["gpu_check.sh: error: no NVIDIA GPU here (nvidia-smi lists none): this checks "
                                      "GPU machines; on a CPU one run .ci/run"]
+
+
+# ---- README: its table's diff column, its snippets, its links and docs/'s ----
+
+def test_readme_diff_column_is_what_diff_counts(tmp_path):
+    """tools/readme_table.py --check passes on README.md, whose column is what the shell pipeline
+    counts for every script; on a copy with one count changed it fails naming the line, and a rewrite
+    restores the count."""
+    tool = REPO / "tools" / "readme_table.py"
+    r = subprocess.run([PYTHON, tool, "--check"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    rows = readme_table.table_rows((REPO / "README.md").read_text())
+    assert sorted(script for _, script, _, _ in rows) == sorted(p.name for p in REPO.glob("*.py"))
+    for _, script, row, column in rows:
+        shell = subprocess.run(f"diff distributed.py {script} | grep -c '^[<>]'", shell=True, cwd=REPO,
+                               capture_output=True, text=True)
+        assert row[column] == shell.stdout.strip(), script
+
+    i, script, row, column = rows[-1]
+    lines = (REPO / "README.md").read_text().splitlines(keepends=True)
+    wrong = int(row[column]) + 1
+    lines[i] = lines[i].replace(f"| {row[column]} |", f"| {wrong} |")
+    copy = tmp_path / "README.md"
+    copy.write_text("".join(lines))
+    r = subprocess.run([PYTHON, tool, "--check", "--readme", copy], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert r.stderr.splitlines() == [f"README.md:{i + 1}: {script}: the table says {wrong}, diff gives {row[column]}"]
+    subprocess.run([PYTHON, tool, "--readme", copy], check=True, capture_output=True, timeout=60)
+    assert copy.read_text() == (REPO / "README.md").read_text()
+
+
+def test_readme_snippets_are_lines_of_their_scripts():
+    assert readme_table.check_snippets((REPO / "README.md").read_text()) == []
+
+
+def test_an_altered_snippet_is_reported_with_its_readme_line():
+    """A changed line, a line left out of a run (which is then no longer contiguous in the script),
+    a marker gone: each is one problem, naming the README line, or the script left without a snippet."""
+    text = (REPO / "README.md").read_text()
+    lines = text.splitlines()
+    first, script, block = next(s for s in readme_table.snippets(text) if "..." not in s[2][:3])
+
+    lines[first] = block[1] + "  # changed"  # the run's second line
+    [problem] = readme_table.check_snippets("\n".join(lines))
+    assert problem.startswith(f"README.md:{first + 1}: not a line of {script} where the snippet puts it (after "
+                              f"{script}:") and problem.endswith("# changed'"), problem
+
+    del lines[first]  # the second line left out: the third follows the first in the README, not in the script
+    [problem] = readme_table.check_snippets("\n".join(lines))
+    assert problem.startswith(f"README.md:{first + 1}: not a line of {script}") and block[2].strip() in problem
+
+    [problem] = readme_table.check_snippets(text.replace(f"<!-- snippet: {script} -->", ""))
+    assert problem == f"README.md: {script} has no snippet (a ```python block after <!-- snippet: {script} -->)"
+
+
+def markdown_lines(path):
+    """(line number, line) of a Markdown file outside its fenced code blocks."""
+    fenced = False
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            yield number, line
+
+
+def anchors(path):
+    """The #anchors GitHub gives a Markdown file's headings: lower case, punctuation dropped, spaces to -."""
+    return {re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            for _, line in markdown_lines(path) if re.match(r"#{1,6} ", line)}
+
+
+def broken_links(paths):
+    """'FILE:LINE: target' for each relative link (or image) of these Markdown files that leads to no
+    file, or to no heading of it."""
+    broken = []
+    for path in paths:
+        for number, line in markdown_lines(path):
+            for target in re.findall(r"\]\(([^)\s]+)\)", line):
+                if re.match(r"[a-z]+:", target):
+                    continue
+                file, _, anchor = target.partition("#")
+                linked = (path.parent / file).resolve() if file else path
+                if not linked.is_file() or (anchor and anchor not in anchors(linked)):
+                    broken.append(f"{os.path.relpath(path, REPO)}:{number}: {target}")
+    return broken
+
+
+def test_readme_and_docs_links_lead_somewhere(tmp_path):
+    assert broken_links([REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]) == []
+    page = tmp_path / "page.md"
+    page.write_text("# A page\n\n[ok](#a-page) [gone](missing.md) [no heading](page.md#nowhere)\n"
+                    "```\n[in code](missing.md)\n```\n![image](https://example.org/x.png)\n")
+    assert [line.split(": ", 1)[1] for line in broken_links([page])] == ["missing.md", "page.md#nowhere"]

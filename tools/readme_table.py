@@ -1,0 +1,153 @@
+#!/usr/bin/env python
+"""README.md's table of methods, computed: the column "lines of `diff distributed.py X.py`".
+
+    python tools/readme_table.py           # rewrite that column of README.md in place
+    python tools/readme_table.py --check   # compare only: exit 1, listing each row that differs
+    python tools/readme_table.py --readme COPY.md [--check]   # another copy of the README
+
+A script's count is what `diff distributed.py X.py | grep -c '^[<>]'` prints: the lines it removes
+from distributed.py or adds. Both print, for each script, that count and how many lines it has above
+the shared helper block's banner (`# ---- helpers shared by every script ...`).
+
+check_snippets() checks README's code snippets (tests/test_tools.py runs it): a fenced ```python
+block right after a line `<!-- snippet: X.py -->` must be lines of X.py, verbatim and contiguous up
+to a common indentation; a line `...` in it separates runs of lines that are each checked alone.
+"""
+import argparse
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+REFERENCE = "distributed.py"
+HEADER = "lines of `diff distributed.py X.py`"
+BANNER = "# ---- helpers shared by every script"
+SNIPPET = re.compile(r"<!-- snippet: (\S+) -->")
+
+
+def diff_count(script):
+    """`diff distributed.py SCRIPT | grep -c '^[<>]'`."""
+    r = subprocess.run(["diff", REFERENCE, script], cwd=REPO, capture_output=True)
+    if r.returncode > 1:
+        sys.exit(f"error: diff {REFERENCE} {script}: {r.stderr.decode().strip()}")
+    return sum(line.startswith((b"<", b">")) for line in r.stdout.split(b"\n"))
+
+
+def lines_above_banner(script):
+    lines = (REPO / script).read_text().splitlines()
+    return next((i for i, line in enumerate(lines) if line.startswith(BANNER)), None)
+
+
+def cells(row):
+    return [cell.strip() for cell in re.split(r"(?<!\\)\|", row.strip())[1:-1]]
+
+
+def table_rows(text):
+    """The table of methods: (line index, script, cells, index of the diff column) for each row."""
+    lines = text.splitlines()
+    header = next((i for i, line in enumerate(lines) if line.startswith("|") and HEADER in line), None)
+    if header is None:
+        sys.exit(f"error: the README has no table with a column {HEADER!r}")
+    column = cells(lines[header]).index(HEADER)
+    rows = []
+    for i in range(header + 2, len(lines)):
+        if not lines[i].startswith("|"):
+            break
+        row = cells(lines[i])
+        rows.append((i, row[0].strip("`"), row, column))
+    return rows
+
+
+def snippets(text):
+    """(README line number of the block's first line, script, the block's lines) for each marked block;
+    a marker with no ```python block right after it gives an empty block."""
+    lines, found = text.splitlines(), []
+    for i, line in enumerate(lines):
+        marker = SNIPPET.fullmatch(line.strip())
+        if not marker:
+            continue
+        block = []
+        if i + 1 < len(lines) and lines[i + 1].strip() == "```python":
+            end = next((k for k in range(i + 2, len(lines)) if lines[k].strip() == "```"), len(lines))
+            block = lines[i + 2:end]
+        found.append((i + 3, marker.group(1), block))
+    return found
+
+
+def check_snippets(text, readme="README.md"):
+    """Problems with README's snippets, one line each: a snippet line not where it should be in its
+    script (naming both lines), a script of the table without a snippet."""
+    problems, shown = [], set()
+    for first, script, block in snippets(text):
+        shown.add(script)
+        if not block:
+            problems.append(f"{readme}:{first - 2}: the marker needs a ```python block right after it")
+            continue
+        if not (REPO / script).is_file():
+            problems.append(f"{readme}:{first - 2}: no script {script}")
+            continue
+        source = (REPO / script).read_text().splitlines()
+        runs, start = [], 0
+        for k, line in enumerate(block + ["..."]):
+            if line.strip() == "...":
+                if k > start:
+                    runs.append((first + start, block[start:k]))
+                start = k + 1
+        for number, run in runs:
+            want = dedented(run)
+            # Where the script matches the most of the run's first lines: the first line after those differs.
+            starts = [i for i, line in enumerate(source) if line.strip() == run[0].strip()]
+            matched, at = max(((prefix_match(want, dedented(source[i:i + len(run)])), i) for i in starts),
+                              default=(0, 0))
+            if matched < len(run):
+                near = f" (after {script}:{at + matched})" if matched else ""
+                problems.append(f"{readme}:{number + matched}: not a line of {script} where the snippet puts it"
+                                f"{near}: {run[matched].strip()!r}")
+    for _, script, _, _ in table_rows(text):
+        if script not in shown:
+            problems.append(f"{readme}: {script} has no snippet (a ```python block after <!-- snippet: {script} -->)")
+    return problems
+
+
+def dedented(lines):
+    return textwrap.dedent("\n".join(lines)).splitlines()
+
+
+def prefix_match(a, b):
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="only compare the column with the counts: exit 1 if any differs")
+    parser.add_argument("--readme", type=Path, default=REPO / "README.md", help="the README to check or rewrite")
+    args = parser.parse_args(argv)
+    readme = args.readme
+    lines = readme.read_text().splitlines(keepends=True)
+    rows = table_rows("".join(lines))
+    mismatches = []
+    print(f"{'script':32} {'diff lines':>10} {'lines above the banner':>22}")
+    for i, script, row, column in rows:
+        count = diff_count(script)
+        print(f"{script:32} {count:10} {lines_above_banner(script)!s:>22}")
+        if row[column] != str(count):
+            mismatches.append(f"{readme.name}:{i + 1}: {script}: the table says {row[column]}, diff gives {count}")
+            row[column] = str(count)
+            lines[i] = "| " + " | ".join(row) + " |\n"
+    missing = sorted({p.name for p in REPO.glob("*.py")} - {script for _, script, _, _ in rows})
+    problems = [f"{readme.name}: {script} has no row in the table" for script in missing]
+    if args.check:
+        problems = mismatches + problems
+    elif mismatches:
+        readme.write_text("".join(lines))
+        print(f"{readme.name}: {len(mismatches)} row(s) updated")
+    if problems:
+        print("\n".join(problems), file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
