@@ -61,7 +61,7 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
 # The recipe every method shares: the demo digits, ImageNet (--data) with its defaults, or synthetic
 # images (--dummy, --benchmark). On the digits the lr drops after epoch 3 (of the default 4): every
-# method measured 90-95% top-1 then, in 23-73 s each, 5.5 minutes for all 8 on 2 cores (README).
+# method measured 90-95% top-1 then, in 23-73 s each, 5.5 minutes for all 8 on 2 cores (docs/measurements.md).
 if (( benchmark )); then
     recipe=(--dummy --dummy-samples $(( 64 * nproc * 8 )) --image-size 32 -b $(( 16 * nproc )) --epochs 2 -p 1000000)
     logs=$logs/benchmark

@@ -67,7 +67,7 @@ def restarting_torchrun(restarts, args, **env):
     """The command line and environment of distributed.py under `torchrun --max-restarts=restarts`."""
     command = launch_command("distributed.py", "torchrun", 2)
     command[1:1] = [f"--max-restarts={restarts}"]
-    # README: restarts need a fresh rendezvous store per attempt on torch 2.14
+    # docs/operations.md: restarts need a fresh rendezvous store per attempt on torch 2.14
     return command + [str(a) for a in args], dict(os.environ, OMP_NUM_THREADS="1",
                                                   TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **env)
 
@@ -407,7 +407,7 @@ def test_lr_schedule_warmup_then_steps():
 def test_demo_run_learns(tmp_path):
     data = make_data(tmp_path / "digits", 1436, 361)
     assert sorted(p.name for p in (data / "val").iterdir()) == [str(c) for c in range(10)]
-    # The README's demo recipe, cut from 5 epochs (96% measured) to 2 with the lr decay after the first.
+    # README's demo command, cut from 5 epochs (96% measured) to 2 with the lr decay after the first.
     r = run(["--data", data, "-b", 32, "--lr", 0.1, "--epochs", 2, "--lr-step-size", 1, "--min-crop-scale", 0.35,
              "--output-dir", tmp_path / "ckpt"] + FAST, launcher="torchrun", nproc=2).check()
     assert r.summaries[-1]["val_count"] == 361

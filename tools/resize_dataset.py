@@ -5,7 +5,7 @@ Decoding a JPEG costs about its pixel count, and RandomResizedCrop throws most o
 at a shorter side of 256-320 px (FFCV's and the DAWNBench entries' lever) is decoded and augmented
 faster on every epoch after it is written. Images already at or below --size are copied byte for
 byte; larger ones are rescaled (Lanczos) and re-encoded at --quality without chroma subsampling.
-README.md ("Input pipeline") cites what the lever costs in accuracy.
+docs/input.md cites what the lever costs in accuracy.
 
     python tools/resize_dataset.py data/imagenet-like data/imagenet-like-288
     python tools/resize_dataset.py /data/imagenet /data/imagenet-288 --size 288 --quality 90
