@@ -54,9 +54,8 @@ RANK = int(os.environ.get("RANK", 0))  # global rank, from the launcher: log() p
 def argument_parser():
     """The flags every script shares (training_arguments, at the end of the file), plus DDP's own."""
     parser = training_arguments("PyTorch ImageNet training with DistributedDataParallel and mixed precision")
-    parser.add_argument("--amp-dtype", choices=["float16", "bfloat16", "float32"],
-                        help="autocast dtype; float32 turns AMP off (default: float16 on GPUs; bfloat16 on CPUs "
-                             "that compute it natively, else float32)")
+    parser.add_argument("--amp-dtype", choices=["float16", "bfloat16", "float32"], help="autocast dtype; float32 turns "
+                        "AMP off (default: float16 on GPUs; bfloat16 on CPUs that compute it natively, else float32)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (C++ on CPUs, Triton on GPUs)")
     parser.add_argument("--grad-compression", choices=["none", "fp16", "bf16"], default="none",
                         help="all-reduce the gradients in fp16 or bf16: half the bytes (a DDP communication hook)")
@@ -79,17 +78,13 @@ def setup_distributed(args):
         raise UsageError("--sync-bn needs CUDA: SyncBatchNorm works only with CUDA modules (drop --sync-bn on CPU)")
     check_batch(args, world_size, sync_bn=args.sync_bn and world_size > 1)  # one process: plain BatchNorm
     args.amp_dtype = args.amp_dtype or default_amp_dtype(device)
-    # including_emulation=False: older GPUs run bf16 only emulated (the default True says they support it).
-    if (args.amp_dtype == "bfloat16" and device.type == "cuda"
-            and not torch.cuda.is_bf16_supported(including_emulation=False)):
-        raise UsageError("--amp-dtype bfloat16 needs an Ampere or newer GPU: use float16")
-    # inductor writes C++ for the CPU (CXX or g++ compiles it) and Triton kernels for GPUs.
+    if args.amp_dtype == "bfloat16" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
+        raise UsageError("--amp-dtype bfloat16 needs an Ampere or newer GPU (older ones emulate it): use float16")
     if args.compile and device.type == "cpu" and not shutil.which(os.environ.get("CXX", "g++")):
         raise UsageError(f"--compile on the CPU needs a C++ compiler, and {os.environ.get('CXX', 'g++')} is not "
                          "found: install one (apt-get install g++) or set CXX, or drop --compile")
     if args.compile and device.type == "cuda" and not importlib.util.find_spec("triton"):
-        raise UsageError("--compile on GPUs needs Triton, which is not installed: pip install triton, or drop "
-                         "--compile")
+        raise UsageError("--compile on GPUs needs Triton, which is not installed: pip install triton, or drop it")
     if args.compile and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 7:
         raise UsageError("--compile needs a Volta or newer GPU (Triton does not compile for older ones): drop it")
     if world_size > 1:  # the launcher's rendezvous (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)
@@ -177,7 +172,7 @@ def main_worker(args):
     # gradient_as_bucket_view: the gradients live in those buckets, one copy fewer of them in memory.
     parallel_model = DDP(model, gradient_as_bucket_view=True) if world_size > 1 else model
     if args.grad_compression != "none" and world_size > 1:  # DDP's counterpart of Horovod's --fp16-allreduce:
-        # the gradients cross the wire in fp16 or bf16 (half the bytes) and are averaged in their own dtype.
+        # the gradients cross the wire and are averaged in fp16 or bf16 (half the bytes), then return to their dtype.
         parallel_model.register_comm_hook(None, getattr(default_hooks, f"{args.grad_compression}_compress_hook"))
     micro_batch = args.batch_size // world_size // args.grad_accum_steps
     report_start(model, world_size, device, micro_batch, args, ("all_reduce", args.grad_compression, 1))
