@@ -109,9 +109,9 @@ def default_amp_dtype(device):
     return "float32"
 
 
-def autocast(device, args):
-    """Convolutions and matmuls in --amp-dtype; autocast keeps losses, norms and softmax in fp32."""
-    return torch.autocast(device.type, dtype=getattr(torch, args.amp_dtype), enabled=args.amp_dtype != "float32")
+def autocast(device):
+    """Convolutions and matmuls in --amp-dtype (torch.set_autocast_dtype); losses, norms and softmax stay fp32."""
+    return torch.autocast(device.type, enabled=torch.get_autocast_dtype(device.type) != torch.float32)
 
 
 # ---- communication: the lines each method does its own way (no-ops without a process group) ----
@@ -191,6 +191,7 @@ def main_worker(args):
     # fp16 overflows above 65504 and small gradients underflow to 0: GradScaler multiplies the loss,
     # unscales the gradients and skips steps with inf/NaN. bf16 has fp32's exponent range: no scaling.
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp_dtype == "float16")
+    torch.set_autocast_dtype(device.type, getattr(torch, args.amp_dtype))  # autocast(device)'s; float32: off
     # A skipped step (fp16 overflow, common in the first steps) still advances the lr schedule, as intended.
     warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
     log(f"=> autocast {args.amp_dtype}, GradScaler {'on' if scaler.is_enabled() else 'off'}, compile "
@@ -204,7 +205,7 @@ def main_worker(args):
     if checkpoint and checkpoint.get("scaler"):  # absent or empty after runs without fp16 scaling
         scaler.load_state_dict(checkpoint["scaler"])
     if args.evaluate:
-        report_epoch(start_epoch - 1, validate(val_loader, model, device, args), world_size, device, args)
+        report_epoch(start_epoch - 1, validate(val_loader, model, device), world_size, device, args)
         return finish(model)
 
     def save(epoch, step, loader_state, is_best=False):
@@ -229,7 +230,7 @@ def main_worker(args):
         trained = train(train_loader, parallel_model, criterion, optimizer, scaler, scheduler, epoch, start_step,
                         steps_per_epoch, device, args, lambda step: save(epoch, step, loader_state))
         start_step = 0
-        val = validate(val_loader, model, device, args)
+        val = validate(val_loader, model, device)
         is_best, best_acc1 = val["acc1"] > best_acc1, max(val["acc1"], best_acc1)
         save(epoch + 1, 0, train_loader.generator.get_state(), is_best)
         report_epoch(epoch, val, world_size, device, args, trained, start, optimizer.param_groups[0]["lr"])
@@ -247,7 +248,7 @@ def train(loader, model, criterion, optimizer, scaler, scheduler, epoch, first_s
         for micro in range(accum):
             images, target = to_device(*next(batches), device)
             with gradient_sync(model, micro == accum - 1):
-                with autocast(device, args):  # the forward only: backward runs in the forward's dtypes
+                with autocast(device):  # the forward only: backward runs in the forward's dtypes
                     output = model(images)
                     loss = criterion(output, target)
                 # Dividing by the micro-batch count makes the accumulated gradient the mean over the
@@ -262,7 +263,7 @@ def train(loader, model, criterion, optimizer, scaler, scheduler, epoch, first_s
     return progress.result()
 
 
-def validate(loader, model, device, args):
+def validate(loader, model, device):
     """Exact evaluation: every val image counted once; (sum, count) reduced over ranks, not means. It
     runs the plain model: the parallel wrapper's collectives, ranks with fewer val batches would not join."""
     broadcast_buffers(model)
@@ -271,7 +272,7 @@ def validate(loader, model, device, args):
     with torch.no_grad():
         for images, target in loader:
             images, target = to_device(images, target, device)
-            with autocast(device, args):
+            with autocast(device):
                 output = model(images).float()  # loss and top-k from fp32 logits
             meter.update(F.cross_entropy(output, target, reduction="none").double().sum(),
                          *correct_counts(output, target), target.size(0))
