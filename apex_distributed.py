@@ -1,7 +1,6 @@
 #!/usr/bin/env python
-"""ImageNet training with DDP and mixed precision: NVIDIA apex's recipe, which is torch.amp since NVIDIA
-removed apex.amp and apex.parallel in 2025 (PyPI's "apex" is another package): distributed.py plus
-autocast, a GradScaler for fp16, channels_last, and the speed knobs: --compile, --grad-compression.
+"""ImageNet training with DDP and mixed precision (autocast, a GradScaler for fp16, channels_last), --compile and
+--grad-compression: NVIDIA apex's recipe, in torch.amp since apex.amp went in 2025 (PyPI's "apex" is another package).
 
     torchrun --nproc-per-node=8 apex_distributed.py --data /path/to/imagenet  # 8 GPUs (no GPU: 8 CPU processes)
 
@@ -59,8 +58,7 @@ def argument_parser():
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (C++ on CPUs, Triton on GPUs)")
     parser.add_argument("--grad-compression", choices=["none", "fp16", "bf16"], default="none",
                         help="all-reduce the gradients in fp16 or bf16: half the bytes (a DDP communication hook)")
-    parser.add_argument("--channels-last", choices=["auto", "on", "off"], default="auto",
-                        help="NHWC activations and weights; auto: on GPUs only (slower on the CPUs measured)")
+    parser.add_argument("--channels-last", choices=["auto", "on", "off"], default="auto", help="NHWC; auto: on GPUs")
     parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
     parser.add_argument("--dist-timeout", type=number(float, 0, open_low=True), default=1800,
                         help="seconds a collective waits for the other ranks before failing")
@@ -99,8 +97,7 @@ def launcher_name(args):
 
 
 def default_amp_dtype(device):
-    """fp16 on GPUs, whose Tensor Cores all run it; bf16 on CPUs that compute it natively (AVX512-BF16 or
-    AMX); else float32: on an AVX2-only CPU, emulated bf16 made a step 23x slower than float32."""
+    """fp16 on GPUs (Tensor Cores run it); bf16 on CPUs with native bf16; else float32 (emulated bf16: 23x slower)."""
     if device.type != "cpu":
         return "float16"
     if any(torch.cpu.get_capabilities().get(isa) for isa in ("avx512_bf16", "amx_bf16")):
@@ -161,9 +158,8 @@ def main_worker(args):
     channels_last = args.channels_last == "on" or (args.channels_last == "auto" and device.type == "cuda")
     model.to(device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     if args.compile:
-        # In place (nn.Module.compile): the state_dict keys stay the model's: compiled and eager runs share checkpoints.
-        # Inside DDP, not around it: dynamo splits the graph at DDP's gradient buckets, so each bucket's
-        # all-reduce still overlaps the rest of backward (one graph would hand over every gradient at its end).
+        # In place (nn.Module.compile): the state_dict keys stay the model's, eager runs load its checkpoints. Run
+        # inside DDP, its graph is split at DDP's gradient buckets: each bucket's all-reduce still overlaps backward.
         torch._inductor.config.layout_optimization = channels_last  # inductor's own switch to NHWC
         model.compile()
     checkpoint = load_checkpoint(args, model)
@@ -171,8 +167,7 @@ def main_worker(args):
     # bucket by bucket, so the all-reduce of one bucket overlaps the backward of the next.
     # gradient_as_bucket_view: the gradients live in those buckets, one copy fewer of them in memory.
     parallel_model = DDP(model, gradient_as_bucket_view=True) if world_size > 1 else model
-    if args.grad_compression != "none" and world_size > 1:  # DDP's counterpart of Horovod's --fp16-allreduce:
-        # the gradients cross the wire and are averaged in fp16 or bf16 (half the bytes), then return to their dtype.
+    if args.grad_compression != "none" and world_size > 1:  # averaged in fp16/bf16, then back in their dtype
         parallel_model.register_comm_hook(None, getattr(default_hooks, f"{args.grad_compression}_compress_hook"))
     micro_batch = args.batch_size // world_size // args.grad_accum_steps
     report_start(model, world_size, device, micro_batch, args, ("all_reduce", args.grad_compression, 1))
@@ -185,18 +180,15 @@ def main_worker(args):
     # It takes GradScaler's inf check as a tensor: no host sync per step (apex's FusedSGD made GradScaler sync).
     optimizer = torch.optim.SGD(model.parameters(), args.lr * args.batch_size / 256, momentum=args.momentum,
                                 weight_decay=args.weight_decay, fused=True)
-    # Zeroed momentum: the fused step makes its buffers uninitialised at step 1 and keeps them so if GradScaler
-    # skips that step (an fp16 overflow). Zeros give the same first step.
+    # Zeroed momentum (same first step): if GradScaler skips step 1, the fused step leaves its buffers uninitialised.
     optimizer.state.update({param: {"momentum_buffer": torch.zeros_like(param)} for param in model.parameters()})
-    # fp16 overflows above 65504 and small gradients underflow to 0: GradScaler multiplies the loss,
-    # unscales the gradients and skips steps with inf/NaN. bf16 has fp32's exponent range: no scaling.
+    # fp16 overflows above 65504, small gradients underflow to 0: GradScaler multiplies the loss, unscales the gradients
+    # and skips steps with inf/NaN; the lr schedule steps on (as intended: unwarned). bf16 has fp32's range: no scaling.
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp_dtype == "float16")
     torch.set_autocast_dtype(device.type, getattr(torch, args.amp_dtype))  # autocast(device)'s; float32: off
-    # A skipped step (fp16 overflow, common in the first steps) still advances the lr schedule, as intended.
     warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-    log(f"=> autocast {args.amp_dtype}, GradScaler {'on' if scaler.is_enabled() else 'off'}, compile "
-        f"{'on' if args.compile else 'off'}, gradient compression {args.grad_compression}, channels_last "
-        f"{'on' if channels_last else 'off'}")
+    log(f"=> autocast {args.amp_dtype}, GradScaler {'on' if scaler.is_enabled() else 'off'}, channels_last "
+        f"{'on' if channels_last else 'off'}, compile {'on' if args.compile else 'off'}")  # compression: report_start's
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(args, max(1, steps_per_epoch)))
     start_epoch, start_step, best_acc1 = resume_training(checkpoint, optimizer, scheduler, train_loader, rank,
                                                          world_size, [device], args)
