@@ -158,7 +158,7 @@ def main_worker(args):
     channels_last = args.channels_last == "on" or (args.channels_last == "auto" and device.type == "cuda")
     model.to(device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     if args.compile:
-        # In place (nn.Module.compile): the state_dict keys stay the model's, eager runs load its checkpoints. Run
+        # In place (nn.Module.compile): the state_dict keys stay the model's (eager runs load its checkpoints). Run
         # inside DDP, its graph is split at DDP's gradient buckets: each bucket's all-reduce still overlaps backward.
         torch._inductor.config.layout_optimization = channels_last  # inductor's own switch to NHWC
         model.compile()
@@ -183,10 +183,10 @@ def main_worker(args):
     # Zeroed momentum (same first step): if GradScaler skips step 1, the fused step leaves its buffers uninitialised.
     optimizer.state.update({param: {"momentum_buffer": torch.zeros_like(param)} for param in model.parameters()})
     # fp16 overflows above 65504, small gradients underflow to 0: GradScaler multiplies the loss, unscales the gradients
-    # and skips steps with inf/NaN; the lr schedule steps on (as intended: unwarned). bf16 has fp32's range: no scaling.
+    # and skips steps with inf/NaN; the lr schedule steps on, as intended. bf16 has fp32's range: no scaling.
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp_dtype == "float16")
     torch.set_autocast_dtype(device.type, getattr(torch, args.amp_dtype))  # autocast(device)'s; float32: off
-    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")  # skipped step 1
     log(f"=> autocast {args.amp_dtype}, GradScaler {'on' if scaler.is_enabled() else 'off'}, channels_last "
         f"{'on' if channels_last else 'off'}, compile {'on' if args.compile else 'off'}")  # compression: report_start's
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(args, max(1, steps_per_epoch)))
