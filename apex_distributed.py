@@ -1,7 +1,6 @@
 #!/usr/bin/env python
-"""ImageNet training with DDP and mixed precision: NVIDIA apex's recipe, which is torch.amp since NVIDIA
-removed apex.amp and apex.parallel in 2025 (PyPI's "apex" is another package): distributed.py plus
-autocast, a GradScaler for fp16, channels_last, and the speed knobs: --compile, --grad-compression.
+"""ImageNet training with DDP and mixed precision (autocast, a GradScaler for fp16, channels_last), --compile and
+--grad-compression: NVIDIA apex's recipe, in torch.amp since apex.amp went in 2025 (PyPI's "apex" is another package).
 
     torchrun --nproc-per-node=8 apex_distributed.py --data /path/to/imagenet  # 8 GPUs (no GPU: 8 CPU processes)
 
@@ -54,14 +53,12 @@ RANK = int(os.environ.get("RANK", 0))  # global rank, from the launcher: log() p
 def argument_parser():
     """The flags every script shares (training_arguments, at the end of the file), plus DDP's own."""
     parser = training_arguments("PyTorch ImageNet training with DistributedDataParallel and mixed precision")
-    parser.add_argument("--amp-dtype", choices=["float16", "bfloat16", "float32"],
-                        help="autocast dtype; float32 turns AMP off (default: float16 on GPUs; bfloat16 on CPUs "
-                             "that compute it natively, else float32)")
+    parser.add_argument("--amp-dtype", choices=["float16", "bfloat16", "float32"], help="autocast dtype; float32 turns "
+                        "AMP off (default: float16 on GPUs; bfloat16 on CPUs that compute it natively, else float32)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (C++ on CPUs, Triton on GPUs)")
     parser.add_argument("--grad-compression", choices=["none", "fp16", "bf16"], default="none",
                         help="all-reduce the gradients in fp16 or bf16: half the bytes (a DDP communication hook)")
-    parser.add_argument("--channels-last", choices=["auto", "on", "off"], default="auto",
-                        help="NHWC activations and weights; auto: on GPUs only (slower on the CPUs measured)")
+    parser.add_argument("--channels-last", choices=["auto", "on", "off"], default="auto", help="NHWC; auto: on GPUs")
     parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
     parser.add_argument("--dist-timeout", type=number(float, 0, open_low=True), default=1800,
                         help="seconds a collective waits for the other ranks before failing")
@@ -79,17 +76,13 @@ def setup_distributed(args):
         raise UsageError("--sync-bn needs CUDA: SyncBatchNorm works only with CUDA modules (drop --sync-bn on CPU)")
     check_batch(args, world_size, sync_bn=args.sync_bn and world_size > 1)  # one process: plain BatchNorm
     args.amp_dtype = args.amp_dtype or default_amp_dtype(device)
-    # including_emulation=False: older GPUs run bf16 only emulated (the default True says they support it).
-    if (args.amp_dtype == "bfloat16" and device.type == "cuda"
-            and not torch.cuda.is_bf16_supported(including_emulation=False)):
-        raise UsageError("--amp-dtype bfloat16 needs an Ampere or newer GPU: use float16")
-    # inductor writes C++ for the CPU (CXX or g++ compiles it) and Triton kernels for GPUs.
+    if args.amp_dtype == "bfloat16" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
+        raise UsageError("--amp-dtype bfloat16 needs an Ampere or newer GPU (older ones emulate it): use float16")
     if args.compile and device.type == "cpu" and not shutil.which(os.environ.get("CXX", "g++")):
         raise UsageError(f"--compile on the CPU needs a C++ compiler, and {os.environ.get('CXX', 'g++')} is not "
                          "found: install one (apt-get install g++) or set CXX, or drop --compile")
     if args.compile and device.type == "cuda" and not importlib.util.find_spec("triton"):
-        raise UsageError("--compile on GPUs needs Triton, which is not installed: pip install triton, or drop "
-                         "--compile")
+        raise UsageError("--compile on GPUs needs Triton, which is not installed: pip install triton, or drop it")
     if args.compile and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 7:
         raise UsageError("--compile needs a Volta or newer GPU (Triton does not compile for older ones): drop it")
     if world_size > 1:  # the launcher's rendezvous (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)
@@ -104,8 +97,7 @@ def launcher_name(args):
 
 
 def default_amp_dtype(device):
-    """fp16 on GPUs, whose Tensor Cores all run it; bf16 on CPUs that compute it natively (AVX512-BF16 or
-    AMX); else float32: on an AVX2-only CPU, emulated bf16 made a step 23x slower than float32."""
+    """fp16 on GPUs (Tensor Cores run it); bf16 on CPUs with native bf16; else float32 (emulated bf16: 23x slower)."""
     if device.type != "cpu":
         return "float16"
     if any(torch.cpu.get_capabilities().get(isa) for isa in ("avx512_bf16", "amx_bf16")):
@@ -114,16 +106,9 @@ def default_amp_dtype(device):
     return "float32"
 
 
-def autocast(device, args):
-    """Convolutions and matmuls in --amp-dtype; autocast keeps losses, norms and softmax in fp32."""
-    return torch.autocast(device.type, dtype=getattr(torch, args.amp_dtype), enabled=args.amp_dtype != "float32")
-
-
-def memory_format(device, args):
-    # NHWC lets cuDNN run fp16/bf16 convolutions on Tensor Cores without transposing every activation;
-    # on the CPUs measured it was slower (32 px) or no faster (64 px).
-    channels_last = args.channels_last == "on" or (args.channels_last == "auto" and device.type == "cuda")
-    return torch.channels_last if channels_last else torch.contiguous_format
+def autocast(device):
+    """Convolutions and matmuls in --amp-dtype (torch.set_autocast_dtype); losses, norms and softmax stay fp32."""
+    return torch.autocast(device.type, enabled=torch.get_autocast_dtype(device.type) != torch.float32)
 
 
 # ---- communication: the lines each method does its own way (no-ops without a process group) ----
@@ -168,23 +153,21 @@ def main_worker(args):
     rank, world_size, device = setup_distributed(args)
     if args.sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    model.to(device, memory_format=memory_format(device, args))
+    # NHWC lets cuDNN run fp16/bf16 convolutions on Tensor Cores without transposing every activation (on the CPUs
+    # measured: slower at 32 px, no faster at 64). NHWC weights suffice: convolutions permute their input to match.
+    channels_last = args.channels_last == "on" or (args.channels_last == "auto" and device.type == "cuda")
+    model.to(device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     if args.compile:
-        # In place (nn.Module.compile): the state_dict keys stay the model's, so checkpoints of compiled
-        # and uncompiled runs load into each other. The module inside DDP is compiled, not the wrapper:
-        # dynamo then sees DDP's gradient buckets and splits the graph at their boundaries, so each
-        # bucket's all-reduce still overlaps the rest of backward (one whole graph would hand over
-        # every gradient at its end). inductor's own switch to channels_last follows --channels-last.
-        torch._inductor.config.layout_optimization = memory_format(device, args) == torch.channels_last
+        # In place (nn.Module.compile): the state_dict keys stay the model's (eager runs load its checkpoints). Run
+        # inside DDP, its graph is split at DDP's gradient buckets: each bucket's all-reduce still overlaps backward.
+        torch._inductor.config.layout_optimization = channels_last  # inductor's own switch to NHWC
         model.compile()
     checkpoint = load_checkpoint(args, model)
     # DDP broadcasts rank 0's weights, then averages the gradients over the ranks during backward,
     # bucket by bucket, so the all-reduce of one bucket overlaps the backward of the next.
     # gradient_as_bucket_view: the gradients live in those buckets, one copy fewer of them in memory.
     parallel_model = DDP(model, gradient_as_bucket_view=True) if world_size > 1 else model
-    if args.grad_compression != "none" and world_size > 1:
-        # The gradients cross the wire in fp16 or bf16 (half the bytes; each rank's is rounded once) and
-        # are averaged back in their own dtype: DDP's counterpart of Horovod's --fp16-allreduce.
+    if args.grad_compression != "none" and world_size > 1:  # averaged in fp16/bf16, then back in their dtype
         parallel_model.register_comm_hook(None, getattr(default_hooks, f"{args.grad_compression}_compress_hook"))
     micro_batch = args.batch_size // world_size // args.grad_accum_steps
     report_start(model, world_size, device, micro_batch, args, ("all_reduce", args.grad_compression, 1))
@@ -193,22 +176,19 @@ def main_worker(args):
                                                             micro_batch)
     steps_per_epoch = len(train_loader) // args.grad_accum_steps
     criterion = nn.CrossEntropyLoss()
-    # fused: one kernel updates every parameter, and it takes GradScaler's inf check as a tensor: no host
-    # sync per step (NVIDIA apex's FusedSGD, which it supersedes, makes GradScaler sync every step).
+    # fused: one kernel updates every parameter, on GPUs and on CPUs (3x faster than the default loop here).
+    # It takes GradScaler's inf check as a tensor: no host sync per step (apex's FusedSGD made GradScaler sync).
     optimizer = torch.optim.SGD(model.parameters(), args.lr * args.batch_size / 256, momentum=args.momentum,
                                 weight_decay=args.weight_decay, fused=True)
-    # Zeroed momentum: the fused step makes its buffers uninitialised at step 1 and keeps them so if
-    # GradScaler skips that step (an fp16 overflow). Zeros give the same first step.
-    for param in model.parameters():
-        optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param)
-    # fp16 overflows above 65504 and small gradients underflow to 0: GradScaler multiplies the loss,
-    # unscales the gradients and skips steps with inf/NaN. bf16 has fp32's exponent range: no scaling.
+    # Zeroed momentum (same first step): if GradScaler skips step 1, the fused step leaves its buffers uninitialised.
+    optimizer.state.update({param: {"momentum_buffer": torch.zeros_like(param)} for param in model.parameters()})
+    # fp16 overflows above 65504, small gradients underflow to 0: GradScaler multiplies the loss, unscales the gradients
+    # and skips steps with inf/NaN; the lr schedule steps on, as intended. bf16 has fp32's range: no scaling.
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp_dtype == "float16")
-    # A skipped step (fp16 overflow, common in the first steps) still advances the lr schedule, as intended.
-    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-    log(f"=> autocast {args.amp_dtype}, GradScaler {'on' if scaler.is_enabled() else 'off'}, compile "
-        f"{'on' if args.compile else 'off'}, gradient compression {args.grad_compression}, channels_last "
-        f"{'on' if memory_format(device, args) == torch.channels_last else 'off'}")
+    torch.set_autocast_dtype(device.type, getattr(torch, args.amp_dtype))  # autocast(device)'s; float32: off
+    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")  # skipped step 1
+    log(f"=> autocast {args.amp_dtype}, GradScaler {'on' if scaler.is_enabled() else 'off'}, channels_last "
+        f"{'on' if channels_last else 'off'}, compile {'on' if args.compile else 'off'}")  # compression: report_start's
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(args, max(1, steps_per_epoch)))
     start_epoch, start_step, best_acc1 = resume_training(checkpoint, optimizer, scheduler, train_loader, rank,
                                                          world_size, [device], args)
@@ -217,7 +197,7 @@ def main_worker(args):
     if checkpoint and checkpoint.get("scaler"):  # absent or empty after runs without fp16 scaling
         scaler.load_state_dict(checkpoint["scaler"])
     if args.evaluate:
-        report_epoch(start_epoch - 1, validate(val_loader, model, device, args), world_size, device, args)
+        report_epoch(start_epoch - 1, validate(val_loader, model, device), world_size, device, args)
         return finish(model)
 
     def save(epoch, step, loader_state, is_best=False):
@@ -227,8 +207,8 @@ def main_worker(args):
         if rank == 0:
             save_checkpoint({"epoch": epoch, "step": step, "arch": args.arch, "state_dict": model.state_dict(),
                              "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                             "scaler": scaler.state_dict(), "best_acc1": best_acc1, "world_size": world_size,
-                             "rng": rngs, "args": vars(args)},
+                             "scaler": scaler.state_dict(),  # empty without fp16 scaling
+                             "best_acc1": best_acc1, "world_size": world_size, "rng": rngs, "args": vars(args)},
                             is_best, args)
 
     for epoch in range(start_epoch, args.epochs):
@@ -242,7 +222,7 @@ def main_worker(args):
         trained = train(train_loader, parallel_model, criterion, optimizer, scaler, scheduler, epoch, start_step,
                         steps_per_epoch, device, args, lambda step: save(epoch, step, loader_state))
         start_step = 0
-        val = validate(val_loader, model, device, args)
+        val = validate(val_loader, model, device)
         is_best, best_acc1 = val["acc1"] > best_acc1, max(val["acc1"], best_acc1)
         save(epoch + 1, 0, train_loader.generator.get_state(), is_best)
         report_epoch(epoch, val, world_size, device, args, trained, start, optimizer.param_groups[0]["lr"])
@@ -259,9 +239,8 @@ def train(loader, model, criterion, optimizer, scaler, scheduler, epoch, first_s
     for step in range(first_step, steps):
         for micro in range(accum):
             images, target = to_device(*next(batches), device)
-            images = images.contiguous(memory_format=memory_format(device, args))
             with gradient_sync(model, micro == accum - 1):
-                with autocast(device, args):  # the forward only: backward runs in the forward's dtypes
+                with autocast(device):  # the forward only: backward runs in the forward's dtypes
                     output = model(images)
                     loss = criterion(output, target)
                 # Dividing by the micro-batch count makes the accumulated gradient the mean over the
@@ -276,7 +255,7 @@ def train(loader, model, criterion, optimizer, scaler, scheduler, epoch, first_s
     return progress.result()
 
 
-def validate(loader, model, device, args):
+def validate(loader, model, device):
     """Exact evaluation: every val image counted once; (sum, count) reduced over ranks, not means. It
     runs the plain model: the parallel wrapper's collectives, ranks with fewer val batches would not join."""
     broadcast_buffers(model)
@@ -285,8 +264,7 @@ def validate(loader, model, device, args):
     with torch.no_grad():
         for images, target in loader:
             images, target = to_device(images, target, device)
-            images = images.contiguous(memory_format=memory_format(device, args))
-            with autocast(device, args):
+            with autocast(device):
                 output = model(images).float()  # loss and top-k from fp32 logits
             meter.update(F.cross_entropy(output, target, reduction="none").double().sum(),
                          *correct_counts(output, target), target.size(0))
