@@ -1,11 +1,10 @@
 #!/usr/bin/env python
-"""ImageNet training with DistributedDataParallel (DDP), launched by Slurm (scripts/slurm_train.sbatch).
+"""ImageNet training with DistributedDataParallel (DDP), launched by Slurm's srun (scripts/slurm_train.sbatch).
 
     srun --nodes=2 --ntasks-per-node=4 --gpus-per-node=4 python distributed_slurm_main.py --data ...  # task per GPU
     srun --nodes=2 --ntasks-per-node=1 --gpus-per-node=4 python distributed_slurm_main.py --nprocs-per-node=4 ...
 
-One process per GPU with CUDA + NCCL (without GPUs: CPU + gloo); Slurm starts and numbers them (the
-first way), or starts one task per node, which spawns them (the second: rank = task x N + index).
+One process per GPU with CUDA + NCCL (without GPUs: CPU + gloo); the launcher starts and numbers them.
 Every script of the cookbook is distributed.py plus its method's lines: `diff distributed.py X.py`.
 """
 import argparse
@@ -47,7 +46,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 METHOD = "ddp-slurm"
-RANK = int(os.environ.get("SLURM_PROCID", 0))  # global rank, from Slurm (worker() sets spawned ones')
+RANK = int(os.environ.get("SLURM_PROCID", 0))  # global rank, from the launcher: log() prints on rank 0 only
 
 
 def argument_parser():
@@ -71,8 +70,8 @@ def setup_distributed(args):
     if args.sync_bn and device.type != "cuda":
         raise UsageError("--sync-bn needs CUDA: SyncBatchNorm works only with CUDA modules (drop --sync-bn on CPU)")
     check_batch(args, world_size, sync_bn=args.sync_bn and world_size > 1)  # one process: plain BatchNorm
-    if world_size > 1:  # slurm_environment()'s rendezvous (MASTER_ADDR, MASTER_PORT), or --dist-file
-        # --dist-file: one file per job, step and requeue, as a killed run leaves its file behind.
+    if world_size > 1:  # the launcher's rendezvous (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)
+        # or --dist-file: one file per job, step and requeue, as a killed run leaves its file behind.
         job = ".".join(os.environ.get(k, "0") for k in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT"))
         join_process_group(device, args, "set MASTER_PORT to a free one (default 10000 + job id % 20000)",
                            init_method=f"file://{os.path.abspath(args.dist_file)}.{job}" if args.dist_file else "env://",
@@ -82,55 +81,36 @@ def setup_distributed(args):
 
 
 def launcher_name(args):
-    if "SLURM_STEP_ID" not in os.environ:
-        return "none"
-    return "srun+mp.spawn" if args.nprocs_per_node > 1 else "srun"
+    return "none" if "SLURM_STEP_ID" not in os.environ else "srun+mp.spawn" if args.nprocs_per_node > 1 else "srun"
 
 
 def first_host(nodelist):
     """First host of a Slurm hostlist, as `scontrol show hostnames` prints it: 'gpu[08-10,12],cpu1' -> 'gpu08'."""
-    first = re.match(r"(?:[^,\[]|\[[^\]]*\])+", nodelist).group()
-    return re.sub(r"\[([^,\-\]]+)[^\]]*\]", r"\1", first)
+    first = re.match(r"(?:[^,\[]|\[[^\]]*\])+", nodelist).group()  # 'gpu[08-10,12]': up to the first comma outside []
+    return re.sub(r"\[([^,\-\]]+)[^\]]*\]", r"\1", first)  # each [...] by its first number
 
 
-def tasks_on_this_node(env):
-    """This node's count in SLURM_STEP_TASKS_PER_NODE: '2(x3),1' is 2 tasks on each of 3 nodes, then 1."""
-    counts = []
-    for part in env.get("SLURM_STEP_TASKS_PER_NODE", "1").split(","):
-        count, _, repeat = part.partition("(x")
-        counts += [int(count)] * int(repeat.rstrip(")") or 1)
-    return counts[int(env.get("SLURM_NODEID", 0))]
-
-
-def slurm_environment(args, spawned_index):
-    """Set what a launcher would (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
-    MASTER_PORT) from Slurm's description of this task; spawned_index: None, or the spawned process's."""
-    global RANK
-    env = os.environ
+def slurm_environment(args):
+    """Set what a launcher sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) from
+    Slurm's task numbering; a task that spawns N processes (--nprocs-per-node) counts as N (worker())."""
+    env, n = os.environ, args.nprocs_per_node
     if "SLURM_JOB_ID" in env and "SLURM_STEP_ID" not in env:
         raise UsageError("started by the batch script itself, which Slurm counts as one task whatever the job "
                          "size: launch it with srun (srun python distributed_slurm_main.py ...)")
-    nodes, tasks = int(env.get("SLURM_NNODES", 1)), int(env.get("SLURM_NTASKS", 1))
-    if spawned_index is None:
-        # One task per process: Slurm numbers them. Every task sees the step's GPUs on its node and
-        # takes its own by its local id (setup_distributed stops them if they outnumber the GPUs),
-        # unless Slurm bound each task to its own (--gpus-per-task, --gpu-bind): then it sees fewer
-        # than the step has (SLURM_STEP_GPUS), numbered from 0.
-        RANK, world_size = int(env.get("SLURM_PROCID", 0)), tasks
-        local_rank, local_world_size = int(env.get("SLURM_LOCALID", 0)), tasks_on_this_node(env)
-        visible = 0 if args.cpu else torch.accelerator.device_count()
-        if 0 < visible < len(env.get("SLURM_STEP_GPUS", "").split(",")):
-            local_rank, local_world_size = local_rank % visible, visible
-    else:
-        # One task per node spawning the processes: Slurm numbers and counts only the node tasks, so
-        # the world is nodes x processes per node, not SLURM_NTASKS.
-        RANK = int(env.get("SLURM_PROCID", 0)) * args.nprocs_per_node + spawned_index
-        if tasks != nodes:
-            raise UsageError(f"--nprocs-per-node spawns processes per Slurm task, but this step runs {tasks} tasks "
-                             f"on {nodes} node(s): use one task per node (srun --ntasks-per-node=1 -n {nodes})")
-        world_size, local_rank, local_world_size = nodes * args.nprocs_per_node, spawned_index, args.nprocs_per_node
-    env.update(RANK=str(RANK), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
-               LOCAL_WORLD_SIZE=str(local_world_size))
+    tasks, nodes = int(env.get("SLURM_NTASKS", 1)), int(env.get("SLURM_NNODES", 1))
+    if n > 1 and tasks != nodes:
+        raise UsageError(f"--nprocs-per-node spawns processes per Slurm task, but this step runs {tasks} tasks "
+                         f"on {nodes} node(s): use one task per node (srun --ntasks-per-node=1 -n {nodes})")
+    # This node's tasks: SLURM_STEP_TASKS_PER_NODE '2(x3),1' is 2 tasks on each of 3 nodes, then 1.
+    counts = re.findall(r"(\d+)(?:\(x(\d+)\))?", env.get("SLURM_STEP_TASKS_PER_NODE", "1"))
+    on_node = [int(count) for count, times in counts for _ in range(int(times or 1))][int(env.get("SLURM_NODEID", 0))]
+    rank, local_rank, local_size = int(env.get("SLURM_PROCID", 0)) * n, int(env.get("SLURM_LOCALID", 0)), on_node * n
+    # A task per GPU takes its own by local rank (pick_device stops tasks that outnumber the GPUs), unless
+    # Slurm bound each to its own (--gpus-per-task, --gpu-bind): it sees fewer than SLURM_STEP_GPUS, from 0.
+    visible = 0 if args.cpu or n > 1 else torch.accelerator.device_count()
+    if 0 < visible < len(env.get("SLURM_STEP_GPUS", "").split(",")):
+        local_rank, local_size = local_rank % visible, visible
+    env.update(RANK=str(rank), WORLD_SIZE=str(tasks * n), LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(local_size))
     # Rank 0 runs on the step's first node (the step may use only part of the job's nodes). Every
     # task derives the same port without talking to the others; jobs sharing a node get different ones.
     env.setdefault("MASTER_ADDR", first_host(env.get("SLURM_STEP_NODELIST", "127.0.0.1")))
@@ -168,28 +148,27 @@ def broadcast_buffers(model):
 
 
 def main(argv=None):
-    args = argument_parser().parse_args(argv)
+    run(launch, argument_parser().parse_args(argv))  # the exit status and error line of every way it can end
+
+
+def launch(args):
+    """One task per process: it trains. One task per node: it starts --nprocs-per-node processes (worker)."""
+    slurm_environment(args)
     if args.nprocs_per_node == 1:
-        return worker(None, args)
-    # One task per node: it starts its processes. A fresh interpreter per process ("spawn", not
-    # fork): CUDA cannot be re-initialised in a forked child.
-    processes = mp.spawn(worker, args=(args,), nprocs=args.nprocs_per_node, join=False)
+        return main_worker(args)
+    processes = mp.spawn(worker, args=(args,), nprocs=args.nprocs_per_node, join=False)  # a fork could not use CUDA
     try:
-        # A bad flag fails every process alike: the grace period lets rank 0 print its error line
-        # before the others are stopped.
-        while not processes.join(grace_period=10):
+        while not processes.join(grace_period=10):  # a bad flag fails them all: 10 s for rank 0 to say why
             pass
-    except mp.ProcessExitedException as e:
-        # A failed process has printed its own error line; one killed by a signal has not.
+    except mp.ProcessExitedException as e:  # a failed process printed its error line; a killed one did not
         sys.exit(e.exit_code if e.exit_code > 0 else f"error: {e}")
 
 
-def worker(spawned_index, args):
-    """One process of the job: its rank and rendezvous from Slurm, then train."""
-    def slurm_main_worker(args):
-        slurm_environment(args, spawned_index)
-        main_worker(args)
-    run(slurm_main_worker, args)
+def worker(index, args):
+    global RANK
+    RANK = int(os.environ["RANK"]) + index  # slurm_environment set the task's first process's ranks
+    os.environ.update(RANK=str(RANK), LOCAL_RANK=str(index))  # (one task per node: local rank 0)
+    run(main_worker, args)
 
 
 def main_worker(args):

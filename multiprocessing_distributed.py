@@ -1,11 +1,10 @@
 #!/usr/bin/env python
-"""ImageNet training with DistributedDataParallel (DDP), started by torch.multiprocessing.spawn.
+"""ImageNet training with DistributedDataParallel (DDP), its own launcher (torch.multiprocessing.spawn).
 
     python multiprocessing_distributed.py --data /path/to/imagenet       # one process per GPU (no GPU: --nprocs)
     python multiprocessing_distributed.py --nnodes=2 --node-rank=K --ip=NODE0 --port=29500 --data ...
 
-One process per GPU with CUDA + NCCL (without GPUs: CPU + gloo); the script starts them itself, with
-global rank node rank x --nprocs + its index; node 0 hosts the rendezvous, on a free port by default.
+One process per GPU with CUDA + NCCL (without GPUs: CPU + gloo); the launcher starts and numbers them.
 Every script of the cookbook is distributed.py plus its method's lines: `diff distributed.py X.py`.
 """
 import argparse
@@ -23,7 +22,6 @@ import multiprocessing
 import os
 import random
 import shutil
-import socket
 import signal
 import subprocess
 import sys
@@ -44,10 +42,11 @@ import torchvision.models as models
 import torchvision.transforms as transforms
 from PIL import Image
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.utils.distributed import get_free_port
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 METHOD = "ddp-spawn"
-RANK = 0  # global rank: each spawned process sets its own in worker(); log() prints on rank 0 only
+RANK = int(os.environ.get("RANK", 0))  # global rank, from the launcher: log() prints on rank 0 only
 
 
 def argument_parser():
@@ -72,7 +71,7 @@ def setup_distributed(args):
     if args.sync_bn and device.type != "cuda":
         raise UsageError("--sync-bn needs CUDA: SyncBatchNorm works only with CUDA modules (drop --sync-bn on CPU)")
     check_batch(args, world_size, sync_bn=args.sync_bn and world_size > 1)  # one process: plain BatchNorm
-    if world_size > 1:  # the rendezvous worker() set up (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)
+    if world_size > 1:  # the launcher's rendezvous (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)
         join_process_group(device, args, "pass another --port")
     check_output_dir(args)  # collective: after the processes have joined
     return RANK, world_size, device
@@ -80,19 +79,6 @@ def setup_distributed(args):
 
 def launcher_name(args):
     return "mp.spawn"
-
-
-def check_launch(args):
-    """Checks made once, before any process starts; picks --nprocs, and node 0's port if none is given."""
-    args.nprocs = args.nprocs or (0 if args.cpu else torch.accelerator.device_count()) or 2
-    if args.node_rank >= args.nnodes:
-        raise UsageError(f"--node-rank {args.node_rank} must be in 0..{args.nnodes - 1} (--nnodes {args.nnodes})")
-    if args.port is None:
-        if args.nnodes > 1:
-            raise UsageError("--nnodes > 1 needs --port: pass the same free port of node 0 on every node")
-        with socket.socket() as probe:
-            probe.bind((args.ip, 0))  # port 0: the OS picks a free one
-            args.port = probe.getsockname()[1]
 
 
 # ---- communication: the lines each method does its own way (no-ops without a process group) ----
@@ -126,33 +112,32 @@ def broadcast_buffers(model):
 
 
 def main(argv=None):
-    args = argument_parser().parse_args(argv)
+    run(launch, argument_parser().parse_args(argv))  # the exit status and error line of every way it can end
+
+
+def launch(args):
+    """The launcher: checks the flags, sets what torchrun sets for every process and starts them (worker)."""
+    args.nprocs = args.nprocs or (0 if args.cpu else torch.accelerator.device_count()) or 2
+    if args.node_rank >= args.nnodes:
+        raise UsageError(f"--node-rank {args.node_rank} must be in 0..{args.nnodes - 1} (--nnodes {args.nnodes})")
+    if args.port is None and args.nnodes > 1:
+        raise UsageError("--nnodes > 1 needs --port: pass the same free port of node 0 on every node")
+    os.environ.update(MASTER_ADDR=args.ip, MASTER_PORT=str(args.port or get_free_port()),
+                      WORLD_SIZE=str(args.nnodes * args.nprocs), LOCAL_WORLD_SIZE=str(args.nprocs))
+    processes = mp.spawn(worker, args=(args,), nprocs=args.nprocs, join=False)  # a fork could not use CUDA
+    for signum in (signal.SIGTERM, signal.SIGUSR1):  # a stop signal sent here is meant for the job: pass it on
+        signal.signal(signum, lambda received, frame: [os.kill(pid, received) for pid in processes.pids()])
     try:
-        check_launch(args)
-        # A fresh interpreter per process ("spawn", not fork): CUDA cannot be re-initialised in a
-        # forked child. Each runs worker(local_rank, args).
-        processes = mp.spawn(worker, args=(args,), nprocs=args.nprocs, join=False)
-        # A stop signal sent to this process is meant for the job: pass it on to every worker.
-        for signum in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(signum, lambda received, frame: [os.kill(p.pid, received) for p in processes.processes])
-        # A bad flag fails every process alike: the grace period lets rank 0 print its error line
-        # before the others are stopped.
-        while not processes.join(grace_period=10):
+        while not processes.join(grace_period=10):  # a bad flag fails them all: 10 s for rank 0 to say why
             pass
-    except UsageError as e:
-        report(e)
-        sys.exit(2)
-    except mp.ProcessExitedException as e:
-        # A failed process has printed its own error line; one killed by a signal has not.
+    except mp.ProcessExitedException as e:  # a failed process printed its error line; a killed one did not
         sys.exit(e.exit_code if e.exit_code > 0 else f"error: {e}")
 
 
-def worker(local_rank, args):
-    """Each spawned process: set what a launcher would have set (setup_distributed reads it), then train."""
+def worker(index, args):
     global RANK
-    RANK = args.node_rank * args.nprocs + local_rank
-    os.environ.update(MASTER_ADDR=args.ip, MASTER_PORT=str(args.port), WORLD_SIZE=str(args.nnodes * args.nprocs),
-                      RANK=str(RANK), LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(args.nprocs))
+    RANK = args.node_rank * args.nprocs + index
+    os.environ.update(RANK=str(RANK), LOCAL_RANK=str(index))  # what torchrun sets for each process
     run(main_worker, args)
 
 

@@ -70,7 +70,7 @@ def test_spawn_two_nodes_world_size_four(tiny_data, tmp_path):
     check_training(r, world_size=4, launcher="srun+mp.spawn", epochs=1)
 
 
-# The first case fails in the 4 spawned processes of 2 tasks: exactly one line must come out.
+# The first case fails in both tasks, before they spawn: exactly one line must come out.
 @pytest.mark.parametrize("nproc,nprocs_per_node,message", [
     (2, 2, "use one task per node (srun --ntasks-per-node=1 -n 1)"),
     (1, 0, "argument --nprocs-per-node: 0 is out of range: pass a number >= 1"),
@@ -95,7 +95,7 @@ def test_local_rank_from_slurm(monkeypatch, step_gpus, visible, local_id, expect
            "SLURM_STEP_GPUS": step_gpus, "SLURM_STEP_NODELIST": "n[1-3]"}
     monkeypatch.setattr(os, "environ", env)
     monkeypatch.setattr(torch.accelerator, "device_count", lambda: visible)
-    distributed_slurm_main.slurm_environment(distributed_slurm_main.argument_parser().parse_args([]), None)
+    distributed_slurm_main.slurm_environment(distributed_slurm_main.argument_parser().parse_args([]))
     assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"]) == ("5", "9", "n1")
     assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == expected
 
