@@ -157,6 +157,8 @@ def launch(args):
     if args.nprocs_per_node == 1:
         return main_worker(args)
     processes = mp.spawn(worker, args=(args,), nprocs=args.nprocs_per_node, join=False)  # a fork could not use CUDA
+    for signum in (signal.SIGTERM, signal.SIGUSR1):  # Slurm's stop signal may reach this task alone: pass it on
+        signal.signal(signum, lambda received, frame: [os.kill(pid, received) for pid in processes.pids()])
     try:
         while not processes.join(grace_period=10):  # a bad flag fails them all: 10 s for rank 0 to say why
             pass

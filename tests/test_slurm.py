@@ -161,15 +161,12 @@ def test_sbatch_script_scaled_down(batch_training):
     check_training(batch_training(2), world_size=2, launcher="srun", epochs=2)
 
 
-def test_signalled_job_checkpoints_requeues_itself_and_resumes_bitwise(tiny_data, tmp_path, batch_training):
-    """The batch script as Slurm treats it before its time limit: SIGUSR1 to the batch shell (what
-    #SBATCH --signal=B:USR1@300 sends; here scancel --batch, mid-training). The script passes it on
-    to the trainers, which stop together after their current step, checkpoint it and exit, and then
-    requeues the job. The requeued run (held until its first run's credential expired: 11 s on the
-    test cluster, 121 s by default) resumes mid-epoch through --resume auto and ends bitwise where an
-    uninterrupted job does."""
-    out = tmp_path / "ckpt"
-    job, log = submit_training(tmp_path, tiny_data, out, 2, ["-p", 1])
+def signal_and_requeue(job, log, out):
+    """Slurm's warning before the time limit, mid-training: SIGUSR1 to the batch shell (what #SBATCH
+    --signal=B:USR1@300 sends; here scancel --batch). The script passes it on to the trainers, which
+    stop together after their current step, checkpoint it and exit 143, and then requeues the job.
+    The requeued run (held until its first run's credential expired: 11 s on the test cluster, 121 s
+    by default) must resume from that checkpoint and complete. Returns its Result."""
     wait_until(lambda: PROGRESS in (log.read_text() if log.exists() else "") or job_state(job)[0] not in ACTIVE,
                "training to start")
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
@@ -182,8 +179,23 @@ def test_signalled_job_checkpoints_requeues_itself_and_resumes_bitwise(tiny_data
     assert stopped and "slurm_train.sbatch: stopped on a signal (trainers exited 143): requeueing" in r.stdout
     checkpoint = out / f"checkpoint-epoch{stopped[2]}-step{stopped[1]}.pth"
     assert f"=> loaded checkpoint '{checkpoint}' (epoch {stopped[2]}, step {stopped[1]})" in r.stdout
+    return r
+
+
+def test_signalled_job_checkpoints_requeues_itself_and_resumes_bitwise(tiny_data, tmp_path, batch_training):
+    """One task per process: the requeued job ends bitwise where an uninterrupted one does."""
+    out = tmp_path / "ckpt"
+    r = signal_and_requeue(*submit_training(tmp_path, tiny_data, out, 2, ["-p", 1]), out)
     assert r.done["state_sha256"] == batch_training(2).done["state_sha256"], \
         "the requeued job must end bitwise where an uninterrupted one does"
+
+
+def test_signalled_spawning_task_waits_for_its_processes_to_checkpoint(tiny_data, tmp_path):
+    """One task per node spawning 2 processes: the signal reaches the spawning task, which must pass it
+    on and wait. Killed by it, the task would end the job step before its processes had checkpointed."""
+    out = tmp_path / "ckpt"
+    r = signal_and_requeue(*submit_training(tmp_path, tiny_data, out, 1, ["-p", 1, "--nprocs-per-node", 2]), out)
+    assert r.done["ranks_identical"] and len(r.done["state_sha256"]) == 4
 
 
 def test_batch_script_without_srun_is_refused(tiny_data, tmp_path):
