@@ -70,9 +70,8 @@ def setup_distributed(args):
     """Check the launch, pick this process's device and join the process group: (rank, world size, device).
     Every flag check runs before the rendezvous, so a bad flag fails all ranks alike and at once."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    # (DeepSpeed's launcher says LOCAL_SIZE where torchrun says LOCAL_WORLD_SIZE.)
-    device = pick_device(args, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 1))))
+    local_size = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 1))  # DeepSpeed's launcher: LOCAL_SIZE
+    device = pick_device(args, int(os.environ.get("LOCAL_RANK", 0)), int(local_size))
     if args.sync_bn and device.type != "cuda":
         raise UsageError("--sync-bn needs CUDA: SyncBatchNorm works only with CUDA modules (drop --sync-bn on CPU)")
     check_batch(args, world_size, sync_bn=args.sync_bn and world_size > 1)  # one process: plain BatchNorm
@@ -230,8 +229,7 @@ def main_worker(args):
 
     def save(epoch, step, loader_state, is_best=False):
         """Checkpoint the state after `step` optimizer steps of `epoch` (a whole epoch: epoch + 1, step 0)."""
-        check_finite([getattr(p, "ds_tensor", p) for p in model.parameters()],  # ZeRO 3: this rank's shards
-                     epoch, step, optimizer.param_groups[0]["lr"])
+        check_finite(model.parameters(), epoch, step, optimizer.param_groups[0]["lr"])
         rngs = all_gather_objects(dict(rng_state([device]), loader=loader_state))  # collective: every rank's
         tag = f"ds-epoch{epoch}" + (f"-step{step}" if step else "")
         parallel_model.save_checkpoint(args.output_dir, tag, client_state={  # every rank writes its shards
@@ -532,7 +530,9 @@ def diverged(what, epoch, step, lr):
 
 
 def check_finite(tensors, epoch, step, lr):
-    """Before a checkpoint is written: its weights are finite, on every rank (one small collective)."""
+    """Before a checkpoint is written: its weights are finite, on every rank (one small collective). Of
+    sharded weights each rank checks its own shards: an FSDP DTensor's local part, ZeRO 3's ds_tensor."""
+    tensors = [t.to_local() if hasattr(t, "to_local") else getattr(t, "ds_tensor", t) for t in tensors]
     bad = all_reduce_sum(torch.stack([t.detach().isfinite().all().logical_not() for t in tensors]).sum().double())
     if bad.item():
         raise diverged("the weights are not finite", epoch, step, lr)
@@ -1585,9 +1585,11 @@ def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_
 
 
 def state_digest(model):
-    """SHA-256 of every parameter and buffer: equal digests mean bitwise-identical models."""
+    """SHA-256 of every parameter and buffer: equal digests mean bitwise-identical models. FSDP's sharded
+    parameters are gathered whole, one at a time onto the device (full_tensor: a collective)."""
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
+        tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

@@ -1,10 +1,9 @@
 #!/usr/bin/env python
 """ImageNet training with FSDP2 (torch.distributed.fsdp.fully_shard) instead of DDP.
 
-DDP keeps a whole copy of the parameters, gradients and optimizer state on every rank; FSDP keeps
-1/N of each (a shard) and all-gathers one block's parameters just for its forward and backward, so
-per-rank memory for them falls as 1/N. Checkpoints are sharded (torch.distributed.checkpoint: every
-rank writes and reads only its shards), plus a plain single-file state_dict for an unwrapped model.
+DDP keeps a whole copy of the parameters, gradients and optimizer state on every rank; FSDP keeps 1/N of each (a
+shard) and all-gathers one block's parameters just for its forward and backward: per-rank memory for them falls as
+1/N. Checkpoints are sharded (torch.distributed.checkpoint), plus a single-file state_dict for a plain model.
 
     torchrun --nproc-per-node=8 fsdp_distributed.py --data /path/to/imagenet   # 8 GPUs (no GPU: 8 CPU processes)
 
@@ -51,7 +50,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 METHOD = "fsdp"
 RANK = int(os.environ.get("RANK", 0))  # global rank, from the launcher: log() prints on rank 0 only
@@ -114,17 +112,16 @@ def all_gather_objects(obj):
 
 
 def gradient_sync(model, last_micro_batch):
-    """FSDP2's no_sync: on all but the last micro-batch, backward skips the reduce-scatter and accumulates
-    the unsharded gradients locally, so FSDP communicates once per optimizer step instead of once per
-    micro-batch (at the cost of holding whole gradients meanwhile). The last one reduce-scatters the
-    sum, averaged over ranks like DDP's all-reduce."""
+    """FSDP2's no_sync: on all but the last micro-batch, backward skips the reduce-scatter and accumulates the
+    unsharded gradients locally (holding whole gradients meanwhile), so FSDP communicates once per optimizer
+    step, not per micro-batch. The last one reduce-scatters the sum, averaged over ranks like DDP's all-reduce."""
     model.set_requires_gradient_sync(last_micro_batch)
     return contextlib.nullcontext()
 
 
 def broadcast_buffers(model):
-    """Rank 0's BatchNorm statistics to every rank: FSDP shards the parameters only, and each rank's
-    statistics come from its own batch. Then the evaluation and the checkpoint are those of one model."""
+    """Rank 0's BatchNorm statistics to every rank: gradients are averaged, statistics are not (each
+    rank's come from its own batch). Then the evaluation and the checkpoint are those of one model."""
     if dist.is_initialized():
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
@@ -158,33 +155,18 @@ def shard_model(model, mesh, args):
         if isinstance(block, nn.Sequential):
             fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype))
     # Under a cast, float32 logits out of the root: the loss and top-k are computed in float32.
-    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype,
-                                                                 output_dtype=torch.float32 if param_dtype else None))
-
-
-def unwrapped(model, args, num_classes):
-    """A plain torchvision model holding the whole sharded model, on this rank's CPU.
-
-    Collective: full_tensor() all-gathers one sharded parameter at a time, straight to the CPU, so
-    no device holds more than one whole parameter beyond its shards. The plain model is built on
-    the meta device (no memory, no random init) and takes the gathered tensors as they are.
-    """
-    with torch.device("meta"):
-        plain = build_model(args, num_classes)
-    plain.load_state_dict({name: (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).cpu()
-                           for name, tensor in model.state_dict().items()}, assign=True)
-    return plain
+    return fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(
+        param_dtype, reduce_dtype, output_dtype=torch.float32 if param_dtype else None))
 
 
 # ---- sharded checkpoints: torch.distributed.checkpoint (DCP) ----
-# Every rank writes and reads only its own shards, in parallel, and no rank ever holds the whole
-# model or optimizer state. Only tensors go through DCP: it unpickles anything else with
-# weights_only=False. The rest (epoch, scheduler, RNG, optimizer hyper-parameters) goes into a
-# plain torch.save file in the same directory, loaded with weights_only=True.
+# Every rank writes and reads only its own shards, in parallel: no rank ever holds the whole model or optimizer state.
+# Only tensors go through DCP, which unpickles anything else with weights_only=False; the rest (epoch, scheduler, RNG,
+# optimizer hyper-parameters) goes into a plain torch.save file in the same directory, loaded with weights_only=True.
 SHARDED_PREFIX, TRAINER_STATE = "dcp-epoch", "trainer_state.pth"
 
 
-def save_sharded(model, optimizer, trainer_state, args):
+def save_sharded(model, optimizer, args, trainer_state):
     """Write output_dir/dcp-epochN[-stepS] atomically: all ranks write into a temporary directory that
     rank 0 renames into place once it is complete (a crash leaves the previous ones intact), then seals."""
     step = f"-step{trainer_state['step']}" if trainer_state["step"] else ""
@@ -208,9 +190,12 @@ def save_sharded(model, optimizer, trainer_state, args):
         seal(path, args.keep_checkpoints)
 
 
-def sharded_checkpoint(args):
-    """--resume's sharded checkpoint (choose_checkpoint): its trainer state (epoch, step, scheduler, RNG, args)
-    with its "path"; load_sharded loads its shards. None to start fresh."""
+def sharded_checkpoint(args, model):
+    """--resume's checkpoint (choose_checkpoint), None to start fresh. A single-file one (-e only) loads into the
+    whole model; of a sharded one, its trainer state (epoch, step, scheduler, RNG, args) with its "path": its
+    shards go into the sharded model and optimizer (load_sharded)."""
+    if args.evaluate and os.path.isfile(args.resume):
+        return load_checkpoint(args, model)
     return choose_checkpoint(args, checkpoint_paths(args.output_dir, SHARDED_PREFIX),
                              lambda path: os.path.isfile(os.path.join(path, TRAINER_STATE)),
                              f"no sharded checkpoint at '{args.resume}': pass a {SHARDED_PREFIX}N directory of "
@@ -273,17 +258,14 @@ def main_worker(args):
     if args.sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model.to(device)
-    # A single-file checkpoint (-e only) loads into the whole model, a sharded one into the shards.
-    checkpoint = load_checkpoint(args, model) if args.evaluate and os.path.isfile(args.resume) else (
-        sharded_checkpoint(args))
+    checkpoint = sharded_checkpoint(args, model)
     # Unlike DDP, fully_shard does not broadcast rank 0's initial weights: each rank would keep its
     # own slice of its own random initialisation. Start from rank 0's, as DDP does.
     for tensor in model.state_dict().values():
         dist.broadcast(tensor, src=0)
     # One mesh of all ranks on this process's device type: without one, fully_shard builds it on the
     # accelerator torch was built for, even under --cpu (CUDA tensors, a gloo group: it fails).
-    shard_model(model, init_device_mesh(device.type, (world_size,)), args)
-    parallel_model = model  # fully_shard changed it in place
+    parallel_model = shard_model(model, init_device_mesh(device.type, (world_size,)), args)  # in place: it is model
     micro_batch = args.batch_size // world_size // args.grad_accum_steps
     report_start(model, world_size, device, micro_batch, args,  # parameters gathered in forward and backward
                  ("all_gather", args.param_dtype, 2 * args.grad_accum_steps), ("reduce_scatter", args.reduce_dtype, 1))
@@ -304,16 +286,14 @@ def main_worker(args):
     start_profile(args, device, start_epoch, start_step, steps_per_epoch)  # --profile: every rank
     if args.evaluate:
         report_epoch(start_epoch - 1, validate(val_loader, model, device), world_size, device, args)
-        return finish(unwrapped(model, args, num_classes))
+        return finish(model)
 
     def save(epoch, step, loader_state, is_best=False):
         """Checkpoint the state after `step` optimizer steps of `epoch` (a whole epoch: epoch + 1, step 0)."""
-        check_finite([param.to_local() for param in model.parameters()], epoch, step,  # its shards
-                     optimizer.param_groups[0]["lr"])
+        check_finite(model.parameters(), epoch, step, optimizer.param_groups[0]["lr"])
         rngs = all_gather_objects(dict(rng_state([device]), loader=loader_state))  # collective: every rank's
-        save_sharded(model, optimizer, {"epoch": epoch, "step": step, "arch": args.arch,
-                                        "scheduler": scheduler.state_dict(), "best_acc1": best_acc1,
-                                        "world_size": world_size, "rng": rngs, "args": vars(args)}, args)
+        save_sharded(model, optimizer, args, {"epoch": epoch, "step": step, "arch": args.arch, "best_acc1": best_acc1,
+                     "scheduler": scheduler.state_dict(), "world_size": world_size, "rng": rngs, "args": vars(args)})
         if step:
             return
         # And the whole model in one file, for an unwrapped model (inference, fine-tuning, distributed.py -e).
@@ -338,7 +318,7 @@ def main_worker(args):
         is_best, best_acc1 = val["acc1"] > best_acc1, max(val["acc1"], best_acc1)
         save(epoch + 1, 0, train_loader.generator.get_state(), is_best)
         report_epoch(epoch, val, world_size, device, args, trained, start, optimizer.param_groups[0]["lr"])
-    finish(unwrapped(model, args, num_classes), best_acc1=best_acc1)
+    finish(model, best_acc1=best_acc1)
 
 
 def train(loader, model, criterion, optimizer, scheduler, epoch, first_step, steps, device, args, save):
@@ -366,12 +346,13 @@ def train(loader, model, criterion, optimizer, scheduler, epoch, first_step, ste
 
 
 def validate(loader, model, device):
-    """Exact evaluation: every val image counted once; (sum, count) reduced over ranks, not means."""
+    """Exact evaluation: every val image counted once; (sum, count) reduced over ranks, not means. It
+    runs the FSDP model, whose forward all-gathers: every rank runs it as often (val_batches pads)."""
     broadcast_buffers(model)
     model.eval()
     meter = AverageMeter(device)
     with torch.no_grad():
-        for images, target in val_batches(loader, device, model):  # FSDP's forward all-gathers: every rank runs it
+        for images, target in val_batches(loader, device, model):
             output = model(images)
             meter.update(F.cross_entropy(output, target, reduction="none").double().sum(),
                          *correct_counts(output, target), target.size(0))
@@ -382,8 +363,7 @@ def validate(loader, model, device):
 
 
 def finish(model, best_acc1=None):
-    """Report every rank's digest of the whole final model (each rank's own gathered copy), then leave
-    the process group cleanly."""
+    """Report every rank's digest of the final model, then leave the process group cleanly."""
     digests = all_gather_objects(state_digest(model))
     summary("DONE", method=METHOD, state_sha256=digests, ranks_identical=len(set(digests)) == 1,
             **({} if best_acc1 is None else {"best_acc1": best_acc1}))
@@ -611,7 +591,9 @@ def diverged(what, epoch, step, lr):
 
 
 def check_finite(tensors, epoch, step, lr):
-    """Before a checkpoint is written: its weights are finite, on every rank (one small collective)."""
+    """Before a checkpoint is written: its weights are finite, on every rank (one small collective). Of
+    sharded weights each rank checks its own shards: an FSDP DTensor's local part, ZeRO 3's ds_tensor."""
+    tensors = [t.to_local() if hasattr(t, "to_local") else getattr(t, "ds_tensor", t) for t in tensors]
     bad = all_reduce_sum(torch.stack([t.detach().isfinite().all().logical_not() for t in tensors]).sum().double())
     if bad.item():
         raise diverged("the weights are not finite", epoch, step, lr)
@@ -1664,9 +1646,11 @@ def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_
 
 
 def state_digest(model):
-    """SHA-256 of every parameter and buffer: equal digests mean bitwise-identical models."""
+    """SHA-256 of every parameter and buffer: equal digests mean bitwise-identical models. FSDP's sharded
+    parameters are gathered whole, one at a time onto the device (full_tensor: a collective)."""
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
+        tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

@@ -73,7 +73,7 @@ SAME_AS_REFERENCE = {
     "apex_distributed.py": COMMUNICATION + ["gradient_sync", "launcher_name", "main", "finish"],
     "dataparallel.py": COMMUNICATION + ["train", "validate", "finish"],
     "horovod_distributed.py": ["main", "validate", "finish"],
-    "fsdp_distributed.py": ["all_reduce_sum", "all_gather_objects", "leave_process_group", "launcher_name", "train"],
+    "fsdp_distributed.py": COMMUNICATION + ["launcher_name", "main", "train", "finish"],
     "deepspeed_distributed.py": COMMUNICATION + ["main"],
 }
 
