@@ -70,17 +70,13 @@ def setup_distributed(args):
     """Check the launch, pick this process's device and join the process group: (rank, world size, device).
     Every flag check runs before the rendezvous, so a bad flag fails all ranks alike and at once."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    # (DeepSpeed's launcher says LOCAL_SIZE where torchrun says LOCAL_WORLD_SIZE.)
-    device = pick_device(args, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 1))))
+    local_size = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 1))  # DeepSpeed's launcher: LOCAL_SIZE
+    device = pick_device(args, int(os.environ.get("LOCAL_RANK", 0)), int(local_size))
     if args.sync_bn and device.type != "cuda":
         raise UsageError("--sync-bn needs CUDA: SyncBatchNorm works only with CUDA modules (drop --sync-bn on CPU)")
     check_batch(args, world_size, sync_bn=args.sync_bn and world_size > 1)  # one process: plain BatchNorm
-    # including_emulation=False: older GPUs run bf16 only emulated (the default True says they support it).
-    if (args.precision == "bfloat16" and device.type == "cuda"
-            and not torch.cuda.is_bf16_supported(including_emulation=False)):
-        raise UsageError("--precision bfloat16 needs an Ampere or newer GPU: leave it out (float32), or use "
-                         "apex_distributed.py --amp-dtype float16")
+    require_bf16(args.precision == "bfloat16", device, "--precision bfloat16 needs an Ampere or newer GPU: leave it "
+                 "out (float32), or use apex_distributed.py --amp-dtype float16")
     global deepspeed  # imported once the device is known
     os.environ["DS_ACCELERATOR"] = device.type  # it picks one on import: CUDA where GPUs are visible, --cpu or not
     try:
@@ -93,9 +89,8 @@ def setup_distributed(args):
     warnings.filterwarnings("ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is")
     if world_size > 1:  # the launcher's rendezvous (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)
         join_process_group(device, args, "pass another --master-port to the launcher (or set MASTER_PORT)")
-    else:  # DeepSpeed needs a process group even for one process: one on an in-memory store, no port needed
-        dist.init_process_group(dist.get_default_backend_for_device(device), store=dist.HashStore(), rank=0,
-                                world_size=1, device_id=None if device.type == "cpu" else device)
+    else:  # DeepSpeed needs a process group even for one process: on an in-memory store, no launcher or port
+        join_process_group(device, args, None, store=dist.HashStore(), rank=0, world_size=1)
         os.environ.setdefault("LOCAL_RANK", "0")  # deepspeed.initialize requires it
     check_output_dir(args)  # collective: after the processes have joined
     return RANK, world_size, device
@@ -133,11 +128,9 @@ def zero_collectives(args):
 
 
 def launcher_name(args):
-    if "CROSS_RANK" in os.environ:  # set by the deepspeed launcher (which passes --local_rank=N too)
-        return "deepspeed"
-    if args.local_rank is not None:
-        return "torch.distributed.launch"
-    return "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "none"
+    return ("deepspeed" if "CROSS_RANK" in os.environ  # set by its launcher (which passes --local_rank=N too)
+            else "torch.distributed.launch" if args.local_rank is not None
+            else "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "none")
 
 
 # ---- communication: the lines each method does its own way (no-ops without a process group) ----
@@ -165,33 +158,27 @@ def broadcast_buffers(model):
 
 
 def load_engine(engine, args):
-    """Load --resume's DeepSpeed checkpoint ('auto': --output-dir's newest intact one) into the engine: weights
-    and each rank's shard of the optimizer state. Returns this script's state (its client_state) or None."""
-    if args.resume != "auto" and not os.path.isdir(args.resume):
-        raise UsageError(f"no DeepSpeed checkpoint at '{args.resume}': pass a ds-epochN directory of --output-dir to "
-                         "--resume, or --resume auto (a single-file .pth checkpoint only with -e)")
+    """Load --resume's DeepSpeed checkpoint (choose_checkpoint) into the engine: weights and each rank's shard
+    of the optimizer state. Returns this script's state (its client_state, with its "path") or None."""
     # DeepSpeed unpickles with weights_only=False, which runs any code a file holds: here True, plus its classes.
     from deepspeed.utils.tensor_fragment import fragment_address  # (deepspeed.utils.tensor_fragment: a class)
     torch.serialization.add_safe_globals([fragment_address, deepspeed.runtime.fp16.loss_scaler.LossScaler,
                                           deepspeed.runtime.zero.config.ZeroStageEnum])
     # And onto the CPU, as DeepSpeed's own calls ask (state_dict_factory.py, engine.py): no GPU needed to resume.
     engine.checkpoint_engine.load = lambda file, map_location=None: torch.load(file, "cpu", weights_only=True)
-    # By its tag, not DeepSpeed's `latest` file, which names the newest it wrote, damaged or not.
-    paths = checkpoint_paths(args.output_dir, "ds-epoch") if args.resume == "auto" else [os.path.normpath(args.resume)]
-    if not paths:
-        log(f"=> --resume auto: no checkpoint in '{args.output_dir}', starting fresh")
-        return None
-    path = next(intact(paths), None)
-    if path is None:
-        raise UsageError(f"checkpoint '{paths[0]}' is damaged: pass another to --resume")
-    try:
-        checkpoint = engine.load_checkpoint(*os.path.split(path))[1]
-    except Exception as e:
-        reason = (str(e).strip() or repr(e)).splitlines()[0]
-        raise UsageError(f"cannot load checkpoint '{path}' ({reason}): it needs the -a, classes, "
-                         "--zero-stage and world size that wrote it") from None
-    check_resumable(checkpoint, path, args)
-    log(f"=> loaded checkpoint '{path}' (epoch {checkpoint['epoch']}, step {checkpoint['step']})")
+
+    def load(path):  # by its tag, not DeepSpeed's `latest` file, which names the newest it wrote, damaged or not
+        try:
+            return engine.load_checkpoint(*os.path.split(path))[1]
+        except Exception as e:  # no fallback to an older one: the engine may now hold part of this one
+            raise UsageError(f"cannot load checkpoint '{path}' ({(str(e).strip() or repr(e)).splitlines()[0]}): it "
+                             "needs the -a, classes, --zero-stage and world size that wrote it") from None
+    checkpoint = choose_checkpoint(args, checkpoint_paths(args.output_dir, "ds-epoch"), os.path.isdir,
+                                   f"no DeepSpeed checkpoint at '{args.resume}': pass a ds-epochN directory of "
+                                   "--output-dir to --resume, or --resume auto (a single-file .pth checkpoint only "
+                                   "with -e)", load)
+    if checkpoint:
+        log(f"=> loaded checkpoint '{checkpoint['path']}' (epoch {checkpoint['epoch']}, step {checkpoint['step']})")
     return checkpoint
 
 
@@ -222,7 +209,7 @@ def main_worker(args):
     # DeepSpeed saves tensors where they live (CUDA ones on GPUs): CPU copies, so its checkpoints open anywhere.
     engine_save = parallel_model.checkpoint_engine.save
     parallel_model.checkpoint_engine.save = lambda state_dict, path: engine_save(to_cpu(state_dict), path)
-    checkpoint = checkpoint or (load_engine(parallel_model, args) if args.resume else None)
+    checkpoint = checkpoint or load_engine(parallel_model, args)
     log(f"=> DeepSpeed {deepspeed.__version__}: ZeRO stage {args.zero_stage}, forward in {args.precision}")
     micro_batch = args.batch_size // world_size // args.grad_accum_steps
     report_start(model, world_size, device, micro_batch, args, *zero_collectives(args))
@@ -236,16 +223,13 @@ def main_worker(args):
                                                          world_size, [device], args)
     open_metrics(args, start_epoch, start_step, steps_per_epoch)  # rank 0: metrics.jsonl, past steps only
     start_profile(args, device, start_epoch, start_step, steps_per_epoch)  # --profile: every rank
-    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):  # the scheduler came after the load
-        group["lr"] = lr
     if args.evaluate:
         report_epoch(start_epoch - 1, validate(val_loader, model, device), world_size, device, args)
         return finish(model)
 
     def save(epoch, step, loader_state, is_best=False):
         """Checkpoint the state after `step` optimizer steps of `epoch` (a whole epoch: epoch + 1, step 0)."""
-        check_finite([getattr(p, "ds_tensor", p) for p in model.parameters()],  # ZeRO 3: this rank's shards
-                     epoch, step, optimizer.param_groups[0]["lr"])
+        check_finite(model.parameters(), epoch, step, optimizer.param_groups[0]["lr"])
         rngs = all_gather_objects(dict(rng_state([device]), loader=loader_state))  # collective: every rank's
         tag = f"ds-epoch{epoch}" + (f"-step{step}" if step else "")
         parallel_model.save_checkpoint(args.output_dir, tag, client_state={  # every rank writes its shards
@@ -308,14 +292,8 @@ def validate(loader, model, device):
     broadcast_buffers(model)
     model.eval()
     meter = AverageMeter(device)
-    # ZeRO 3 forwards all-gather each layer: every rank runs as many as the rank with the most val batches.
-    rounds = max(all_gather_objects(len(loader)))
     with torch.no_grad():
-        for images, target in itertools.islice(itertools.chain(loader, itertools.repeat((None, None))), rounds):
-            if images is None:  # this rank is out of batches: a stand-in forward, its output discarded
-                model(torch.zeros(1, *loader.dataset[0][0].shape, device=device))
-                continue
-            images, target = to_device(images, target, device)
+        for images, target in val_batches(loader, device, model):  # ZeRO 3 forwards all-gather: every rank runs them
             output = model(images)
             meter.update(F.cross_entropy(output, target, reduction="none").double().sum(),
                          *correct_counts(output, target), target.size(0))
@@ -552,7 +530,9 @@ def diverged(what, epoch, step, lr):
 
 
 def check_finite(tensors, epoch, step, lr):
-    """Before a checkpoint is written: its weights are finite, on every rank (one small collective)."""
+    """Before a checkpoint is written: its weights are finite, on every rank (one small collective). Of
+    sharded weights each rank checks its own shards: an FSDP DTensor's local part, ZeRO 3's ds_tensor."""
+    tensors = [t.to_local() if hasattr(t, "to_local") else getattr(t, "ds_tensor", t) for t in tensors]
     bad = all_reduce_sum(torch.stack([t.detach().isfinite().all().logical_not() for t in tensors]).sum().double())
     if bad.item():
         raise diverged("the weights are not finite", epoch, step, lr)
@@ -592,6 +572,13 @@ def check_no_gpu_left_out():
         raise UsageError(f"nvidia-smi lists {len(drivers)} GPU(s) (driver {drivers[0]}) but torch {torch.__version__} "
                          f"sees none ({why}): update the driver or install a torch wheel for its CUDA, or pass --cpu "
                          "to train on the CPU")
+
+
+def require_bf16(wanted, device, error):
+    """A bf16 flag on a GPU that cannot run bf16 natively is one error line. including_emulation=False:
+    older GPUs run bf16 only emulated (the default True says they support it)."""
+    if wanted and device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise UsageError(error)
 
 
 def check_batch(args, world_size, replicas=1, sync_bn=False):
@@ -1000,6 +987,18 @@ def to_device(images, target, device):
     if images.dtype == torch.uint8:
         images = images.to(mean.dtype).div(255)
     return (images - mean).div_(std), target.to(device, non_blocking=True)
+
+
+def val_batches(loader, device, collective_model=None):
+    """The loader's batches on the device (to_device). collective_model: a model whose forward is a
+    collective (FSDP, ZeRO 3: it all-gathers the parameters), which every rank must then run as often as
+    the rank with the most val batches (shard_batches' counts differ by at most one): a rank out of
+    batches forwards stand-in images through it, their outputs discarded."""
+    stand_ins = max(all_gather_objects(len(loader))) - len(loader) if collective_model else 0  # before a forward
+    for images, target in loader:
+        yield to_device(images, target, device)
+    for _ in range(stand_ins):
+        collective_model(torch.zeros(1, *loader.dataset[0][0].shape, device=device))
 
 
 def build_model(args, num_classes):
@@ -1483,6 +1482,37 @@ def save_checkpoint(state, is_best, args):
         raise
 
 
+def choose_checkpoint(args, newest, found, missing, load):
+    """--resume's checkpoint as load(path) returns it (a dict), with its "path" added and check_resumable's
+    checks passed; None to start fresh. 'auto' takes the first of `newest` (--output-dir's checkpoints,
+    newest first) that is intact and loads, saying which it skipped; a --resume that found(path) denies is
+    the error line `missing`. load raises UsageError to stop, anything else to fall back to an older one."""
+    if not args.resume:
+        return None
+    paths = newest if args.resume == "auto" else [os.path.normpath(args.resume)]
+    if not paths:
+        log(f"=> --resume auto: no checkpoint in '{args.output_dir}', starting fresh")
+        return None
+    if args.resume != "auto" and not found(paths[0]):
+        raise UsageError(missing)
+    error = UsageError(f"checkpoint '{paths[0]}' is damaged: pass another to --resume")
+    for path in intact(paths):
+        try:
+            checkpoint = dict(load(path), path=path)
+        except UsageError:
+            raise
+        except Exception as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            error = UsageError(f"cannot load checkpoint '{path}' (truncated, corrupt or not a plain-tensor "
+                               f"checkpoint): {reason}")
+            if path != paths[-1]:
+                log(f"=> {error}: skipping it")
+            continue
+        check_resumable(checkpoint, path, args)
+        return checkpoint
+    raise error
+
+
 def load_checkpoint(args, model):
     """Load --resume's checkpoint into the model and return it; None to start fresh ('auto' without one).
 
@@ -1490,39 +1520,24 @@ def load_checkpoint(args, model):
     weights_only=True never runs pickled code. It is loaded onto the CPU, whatever device wrote it:
     load_state_dict copies the weights to the model's device, and RNG states stay CPU tensors.
     """
-    if not args.resume:
+    def load(path):
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+            raise UsageError(f"'{path}' is not a checkpoint written by this cookbook (no state_dict)")
+        return checkpoint
+    # (checkpoint.pth alone: written before checkpoints were kept by name)
+    newest = checkpoint_paths(args.output_dir, "checkpoint-epoch") or [
+        path for path in [os.path.join(args.output_dir, "checkpoint.pth")] if os.path.isfile(path)]
+    checkpoint = choose_checkpoint(args, newest, os.path.isfile, f"no checkpoint at '{args.resume}': pass an "
+                                   "existing file to --resume (or --resume auto)", load)
+    if checkpoint is None:
         return None
-    paths = [args.resume]
-    if args.resume == "auto":  # (checkpoint.pth alone: written before checkpoints were kept by name)
-        paths = checkpoint_paths(args.output_dir, "checkpoint-epoch") or [
-            path for path in [os.path.join(args.output_dir, "checkpoint.pth")] if os.path.isfile(path)]
-        if not paths:
-            log(f"=> --resume auto: no checkpoint in '{args.output_dir}', starting fresh")
-            return None
-    elif not os.path.isfile(args.resume):
-        raise UsageError(f"no checkpoint at '{args.resume}': pass an existing file to --resume (or --resume auto)")
-    error = UsageError(f"checkpoint '{paths[0]}' is damaged: pass another to --resume")
-    for path in intact(paths):
-        try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-            break
-        except Exception as e:
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            error = UsageError(f"cannot load checkpoint '{path}' (truncated, corrupt or not a plain-tensor "
-                               f"checkpoint): {reason}")
-            if path != paths[-1]:
-                log(f"=> {error}: skipping it")
-    else:
-        raise error
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise UsageError(f"'{path}' is not a checkpoint written by this cookbook (no state_dict)")
-    check_resumable(checkpoint, path, args)
     try:
         model.load_state_dict(checkpoint["state_dict"])
     except RuntimeError as e:
-        raise UsageError(f"checkpoint '{path}' does not fit this model ({str(e).splitlines()[0]}): "
+        raise UsageError(f"checkpoint '{checkpoint['path']}' does not fit this model ({str(e).splitlines()[0]}): "
                          "check -a and the number of classes") from None
-    log(f"=> loaded checkpoint '{path}' (epoch {checkpoint['epoch']}, step {checkpoint.get('step', 0)})")
+    log(f"=> loaded checkpoint '{checkpoint['path']}' (epoch {checkpoint['epoch']}, step {checkpoint.get('step', 0)})")
     return checkpoint
 
 
@@ -1556,6 +1571,10 @@ def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_
                     if torch.is_tensor(value) and value.shape == param.shape and value.stride() != param.stride():
                         state[key] = torch.empty_like(param).copy_(value)
         scheduler.load_state_dict(checkpoint["scheduler"])
+        # The schedule's lr into the optimizer: DeepSpeed's engine loads the optimizer before the scheduler is
+        # made, whose first step overwrote it. (Elsewhere a no-op: the optimizer's state, loaded after, holds it.)
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
         if len(checkpoint["rng"]) == world_size:
             set_rng_state(checkpoint["rng"][rank], devices)
             train_loader.generator.set_state(checkpoint["rng"][rank]["loader"])
@@ -1566,9 +1585,11 @@ def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_
 
 
 def state_digest(model):
-    """SHA-256 of every parameter and buffer: equal digests mean bitwise-identical models."""
+    """SHA-256 of every parameter and buffer: equal digests mean bitwise-identical models. FSDP's sharded
+    parameters are gathered whole, one at a time onto the device (full_tensor: a collective)."""
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
+        tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

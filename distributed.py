@@ -205,8 +205,7 @@ def validate(loader, model, device):
     model.eval()
     meter = AverageMeter(device)
     with torch.no_grad():
-        for images, target in loader:
-            images, target = to_device(images, target, device)
+        for images, target in val_batches(loader, device):
             output = model(images)
             meter.update(F.cross_entropy(output, target, reduction="none").double().sum(),
                          *correct_counts(output, target), target.size(0))
@@ -442,7 +441,9 @@ def diverged(what, epoch, step, lr):
 
 
 def check_finite(tensors, epoch, step, lr):
-    """Before a checkpoint is written: its weights are finite, on every rank (one small collective)."""
+    """Before a checkpoint is written: its weights are finite, on every rank (one small collective). Of
+    sharded weights each rank checks its own shards: an FSDP DTensor's local part, ZeRO 3's ds_tensor."""
+    tensors = [t.to_local() if hasattr(t, "to_local") else getattr(t, "ds_tensor", t) for t in tensors]
     bad = all_reduce_sum(torch.stack([t.detach().isfinite().all().logical_not() for t in tensors]).sum().double())
     if bad.item():
         raise diverged("the weights are not finite", epoch, step, lr)
@@ -482,6 +483,13 @@ def check_no_gpu_left_out():
         raise UsageError(f"nvidia-smi lists {len(drivers)} GPU(s) (driver {drivers[0]}) but torch {torch.__version__} "
                          f"sees none ({why}): update the driver or install a torch wheel for its CUDA, or pass --cpu "
                          "to train on the CPU")
+
+
+def require_bf16(wanted, device, error):
+    """A bf16 flag on a GPU that cannot run bf16 natively is one error line. including_emulation=False:
+    older GPUs run bf16 only emulated (the default True says they support it)."""
+    if wanted and device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise UsageError(error)
 
 
 def check_batch(args, world_size, replicas=1, sync_bn=False):
@@ -890,6 +898,18 @@ def to_device(images, target, device):
     if images.dtype == torch.uint8:
         images = images.to(mean.dtype).div(255)
     return (images - mean).div_(std), target.to(device, non_blocking=True)
+
+
+def val_batches(loader, device, collective_model=None):
+    """The loader's batches on the device (to_device). collective_model: a model whose forward is a
+    collective (FSDP, ZeRO 3: it all-gathers the parameters), which every rank must then run as often as
+    the rank with the most val batches (shard_batches' counts differ by at most one): a rank out of
+    batches forwards stand-in images through it, their outputs discarded."""
+    stand_ins = max(all_gather_objects(len(loader))) - len(loader) if collective_model else 0  # before a forward
+    for images, target in loader:
+        yield to_device(images, target, device)
+    for _ in range(stand_ins):
+        collective_model(torch.zeros(1, *loader.dataset[0][0].shape, device=device))
 
 
 def build_model(args, num_classes):
@@ -1373,6 +1393,37 @@ def save_checkpoint(state, is_best, args):
         raise
 
 
+def choose_checkpoint(args, newest, found, missing, load):
+    """--resume's checkpoint as load(path) returns it (a dict), with its "path" added and check_resumable's
+    checks passed; None to start fresh. 'auto' takes the first of `newest` (--output-dir's checkpoints,
+    newest first) that is intact and loads, saying which it skipped; a --resume that found(path) denies is
+    the error line `missing`. load raises UsageError to stop, anything else to fall back to an older one."""
+    if not args.resume:
+        return None
+    paths = newest if args.resume == "auto" else [os.path.normpath(args.resume)]
+    if not paths:
+        log(f"=> --resume auto: no checkpoint in '{args.output_dir}', starting fresh")
+        return None
+    if args.resume != "auto" and not found(paths[0]):
+        raise UsageError(missing)
+    error = UsageError(f"checkpoint '{paths[0]}' is damaged: pass another to --resume")
+    for path in intact(paths):
+        try:
+            checkpoint = dict(load(path), path=path)
+        except UsageError:
+            raise
+        except Exception as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            error = UsageError(f"cannot load checkpoint '{path}' (truncated, corrupt or not a plain-tensor "
+                               f"checkpoint): {reason}")
+            if path != paths[-1]:
+                log(f"=> {error}: skipping it")
+            continue
+        check_resumable(checkpoint, path, args)
+        return checkpoint
+    raise error
+
+
 def load_checkpoint(args, model):
     """Load --resume's checkpoint into the model and return it; None to start fresh ('auto' without one).
 
@@ -1380,39 +1431,24 @@ def load_checkpoint(args, model):
     weights_only=True never runs pickled code. It is loaded onto the CPU, whatever device wrote it:
     load_state_dict copies the weights to the model's device, and RNG states stay CPU tensors.
     """
-    if not args.resume:
+    def load(path):
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+            raise UsageError(f"'{path}' is not a checkpoint written by this cookbook (no state_dict)")
+        return checkpoint
+    # (checkpoint.pth alone: written before checkpoints were kept by name)
+    newest = checkpoint_paths(args.output_dir, "checkpoint-epoch") or [
+        path for path in [os.path.join(args.output_dir, "checkpoint.pth")] if os.path.isfile(path)]
+    checkpoint = choose_checkpoint(args, newest, os.path.isfile, f"no checkpoint at '{args.resume}': pass an "
+                                   "existing file to --resume (or --resume auto)", load)
+    if checkpoint is None:
         return None
-    paths = [args.resume]
-    if args.resume == "auto":  # (checkpoint.pth alone: written before checkpoints were kept by name)
-        paths = checkpoint_paths(args.output_dir, "checkpoint-epoch") or [
-            path for path in [os.path.join(args.output_dir, "checkpoint.pth")] if os.path.isfile(path)]
-        if not paths:
-            log(f"=> --resume auto: no checkpoint in '{args.output_dir}', starting fresh")
-            return None
-    elif not os.path.isfile(args.resume):
-        raise UsageError(f"no checkpoint at '{args.resume}': pass an existing file to --resume (or --resume auto)")
-    error = UsageError(f"checkpoint '{paths[0]}' is damaged: pass another to --resume")
-    for path in intact(paths):
-        try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-            break
-        except Exception as e:
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            error = UsageError(f"cannot load checkpoint '{path}' (truncated, corrupt or not a plain-tensor "
-                               f"checkpoint): {reason}")
-            if path != paths[-1]:
-                log(f"=> {error}: skipping it")
-    else:
-        raise error
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise UsageError(f"'{path}' is not a checkpoint written by this cookbook (no state_dict)")
-    check_resumable(checkpoint, path, args)
     try:
         model.load_state_dict(checkpoint["state_dict"])
     except RuntimeError as e:
-        raise UsageError(f"checkpoint '{path}' does not fit this model ({str(e).splitlines()[0]}): "
+        raise UsageError(f"checkpoint '{checkpoint['path']}' does not fit this model ({str(e).splitlines()[0]}): "
                          "check -a and the number of classes") from None
-    log(f"=> loaded checkpoint '{path}' (epoch {checkpoint['epoch']}, step {checkpoint.get('step', 0)})")
+    log(f"=> loaded checkpoint '{checkpoint['path']}' (epoch {checkpoint['epoch']}, step {checkpoint.get('step', 0)})")
     return checkpoint
 
 
@@ -1446,6 +1482,10 @@ def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_
                     if torch.is_tensor(value) and value.shape == param.shape and value.stride() != param.stride():
                         state[key] = torch.empty_like(param).copy_(value)
         scheduler.load_state_dict(checkpoint["scheduler"])
+        # The schedule's lr into the optimizer: DeepSpeed's engine loads the optimizer before the scheduler is
+        # made, whose first step overwrote it. (Elsewhere a no-op: the optimizer's state, loaded after, holds it.)
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
         if len(checkpoint["rng"]) == world_size:
             set_rng_state(checkpoint["rng"][rank], devices)
             train_loader.generator.set_state(checkpoint["rng"][rank]["loader"])
@@ -1456,9 +1496,11 @@ def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_
 
 
 def state_digest(model):
-    """SHA-256 of every parameter and buffer: equal digests mean bitwise-identical models."""
+    """SHA-256 of every parameter and buffer: equal digests mean bitwise-identical models. FSDP's sharded
+    parameters are gathered whole, one at a time onto the device (full_tensor: a collective)."""
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
+        tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

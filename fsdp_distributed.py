@@ -1,10 +1,9 @@
 #!/usr/bin/env python
 """ImageNet training with FSDP2 (torch.distributed.fsdp.fully_shard) instead of DDP.
 
-DDP keeps a whole copy of the parameters, gradients and optimizer state on every rank; FSDP keeps
-1/N of each (a shard) and all-gathers one block's parameters just for its forward and backward, so
-per-rank memory for them falls as 1/N. Checkpoints are sharded (torch.distributed.checkpoint: every
-rank writes and reads only its shards), plus a plain single-file state_dict for an unwrapped model.
+DDP keeps a whole copy of the parameters, gradients and optimizer state on every rank; FSDP keeps 1/N of each (a
+shard) and all-gathers one block's parameters just for its forward and backward: per-rank memory for them falls as
+1/N. Checkpoints are sharded (torch.distributed.checkpoint), plus a single-file state_dict for a plain model.
 
     torchrun --nproc-per-node=8 fsdp_distributed.py --data /path/to/imagenet   # 8 GPUs (no GPU: 8 CPU processes)
 
@@ -51,7 +50,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 METHOD = "fsdp"
 RANK = int(os.environ.get("RANK", 0))  # global rank, from the launcher: log() prints on rank 0 only
@@ -82,17 +80,12 @@ def setup_distributed(args):
         raise UsageError("--sync-bn needs CUDA: SyncBatchNorm works only with CUDA modules (drop --sync-bn on CPU)")
     check_batch(args, world_size, sync_bn=args.sync_bn and world_size > 1)  # one process: plain BatchNorm
     # bf16 also runs on the CPU (gloo carries it; slow without AVX512-BF16/AMX), so the tests cover it there.
-    # including_emulation=False: older GPUs run bf16 only emulated (the default True says they support it).
-    if ("bfloat16" in (args.param_dtype, args.reduce_dtype) and device.type == "cuda"
-            and not torch.cuda.is_bf16_supported(including_emulation=False)):
-        raise UsageError("--param-dtype/--reduce-dtype bfloat16 needs an Ampere or newer GPU: leave it out or use float32")
+    require_bf16("bfloat16" in (args.param_dtype, args.reduce_dtype), device,
+                 "--param-dtype/--reduce-dtype bfloat16 needs an Ampere or newer GPU: leave it out or use float32")
     if world_size > 1:  # the launcher's rendezvous (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)
         join_process_group(device, args, "pass another --master-port to the launcher (or set MASTER_PORT)")
-    else:
-        # fully_shard needs a process group even for one process (a mesh of one rank): one on an
-        # in-memory store, so a plain `python fsdp_distributed.py` needs no launcher or port.
-        dist.init_process_group(dist.get_default_backend_for_device(device), store=dist.HashStore(), rank=0,
-                                world_size=1, device_id=None if device.type == "cpu" else device)
+    else:  # fully_shard needs a process group even for one process: on an in-memory store, no launcher or port
+        join_process_group(device, args, None, store=dist.HashStore(), rank=0, world_size=1)
     check_output_dir(args)  # collective: after the processes have joined
     return RANK, world_size, device
 
@@ -119,17 +112,16 @@ def all_gather_objects(obj):
 
 
 def gradient_sync(model, last_micro_batch):
-    """FSDP2's no_sync: on all but the last micro-batch, backward skips the reduce-scatter and accumulates
-    the unsharded gradients locally, so FSDP communicates once per optimizer step instead of once per
-    micro-batch (at the cost of holding whole gradients meanwhile). The last one reduce-scatters the
-    sum, averaged over ranks like DDP's all-reduce."""
+    """FSDP2's no_sync: on all but the last micro-batch, backward skips the reduce-scatter and accumulates the
+    unsharded gradients locally (holding whole gradients meanwhile), so FSDP communicates once per optimizer
+    step, not per micro-batch. The last one reduce-scatters the sum, averaged over ranks like DDP's all-reduce."""
     model.set_requires_gradient_sync(last_micro_batch)
     return contextlib.nullcontext()
 
 
 def broadcast_buffers(model):
-    """Rank 0's BatchNorm statistics to every rank: FSDP shards the parameters only, and each rank's
-    statistics come from its own batch. Then the evaluation and the checkpoint are those of one model."""
+    """Rank 0's BatchNorm statistics to every rank: gradients are averaged, statistics are not (each
+    rank's come from its own batch). Then the evaluation and the checkpoint are those of one model."""
     if dist.is_initialized():
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
@@ -163,33 +155,18 @@ def shard_model(model, mesh, args):
         if isinstance(block, nn.Sequential):
             fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype))
     # Under a cast, float32 logits out of the root: the loss and top-k are computed in float32.
-    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype,
-                                                                 output_dtype=torch.float32 if param_dtype else None))
-
-
-def unwrapped(model, args, num_classes):
-    """A plain torchvision model holding the whole sharded model, on this rank's CPU.
-
-    Collective: full_tensor() all-gathers one sharded parameter at a time, straight to the CPU, so
-    no device holds more than one whole parameter beyond its shards. The plain model is built on
-    the meta device (no memory, no random init) and takes the gathered tensors as they are.
-    """
-    with torch.device("meta"):
-        plain = build_model(args, num_classes)
-    plain.load_state_dict({name: (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).cpu()
-                           for name, tensor in model.state_dict().items()}, assign=True)
-    return plain
+    return fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(
+        param_dtype, reduce_dtype, output_dtype=torch.float32 if param_dtype else None))
 
 
 # ---- sharded checkpoints: torch.distributed.checkpoint (DCP) ----
-# Every rank writes and reads only its own shards, in parallel, and no rank ever holds the whole
-# model or optimizer state. Only tensors go through DCP: it unpickles anything else with
-# weights_only=False. The rest (epoch, scheduler, RNG, optimizer hyper-parameters) goes into a
-# plain torch.save file in the same directory, loaded with weights_only=True.
+# Every rank writes and reads only its own shards, in parallel: no rank ever holds the whole model or optimizer state.
+# Only tensors go through DCP, which unpickles anything else with weights_only=False; the rest (epoch, scheduler, RNG,
+# optimizer hyper-parameters) goes into a plain torch.save file in the same directory, loaded with weights_only=True.
 SHARDED_PREFIX, TRAINER_STATE = "dcp-epoch", "trainer_state.pth"
 
 
-def save_sharded(model, optimizer, trainer_state, args):
+def save_sharded(model, optimizer, args, trainer_state):
     """Write output_dir/dcp-epochN[-stepS] atomically: all ranks write into a temporary directory that
     rank 0 renames into place once it is complete (a crash leaves the previous ones intact), then seals."""
     step = f"-step{trainer_state['step']}" if trainer_state["step"] else ""
@@ -213,29 +190,17 @@ def save_sharded(model, optimizer, trainer_state, args):
         seal(path, args.keep_checkpoints)
 
 
-def sharded_checkpoint(args):
-    """--resume's sharded checkpoint ('auto': --output-dir's newest intact one): its trainer state (epoch,
-    step, scheduler, RNG, args) with its "path"; its shards are loaded by load_sharded. None to start fresh."""
-    paths = checkpoint_paths(args.output_dir, SHARDED_PREFIX) if args.resume == "auto" else [args.resume]
-    if args.resume == "auto" and not paths:
-        log(f"=> --resume auto: no checkpoint in '{args.output_dir}', starting fresh")
-    if not args.resume or not paths:
-        return None
-    if not os.path.isfile(os.path.join(paths[0], TRAINER_STATE)) and args.resume != "auto":
-        raise UsageError(f"no sharded checkpoint at '{args.resume}': pass a {SHARDED_PREFIX}N directory of "
-                         "--output-dir to --resume, or --resume auto (a single-file .pth checkpoint only with -e)")
-    error = UsageError(f"checkpoint '{paths[0]}' is damaged: pass another to --resume")
-    for path in intact(paths):
-        try:
-            checkpoint = dict(torch.load(os.path.join(path, TRAINER_STATE), weights_only=True), path=path)
-        except Exception as e:
-            error = UsageError(f"cannot load checkpoint '{path}' ({str(e).strip().splitlines()[0]})")
-            if path != paths[-1]:
-                log(f"=> {error}: skipping it")
-            continue
-        check_resumable(checkpoint, path, args)
-        return checkpoint
-    raise error
+def sharded_checkpoint(args, model):
+    """--resume's checkpoint (choose_checkpoint), None to start fresh. A single-file one (-e only) loads into the
+    whole model; of a sharded one, its trainer state (epoch, step, scheduler, RNG, args) with its "path": its
+    shards go into the sharded model and optimizer (load_sharded)."""
+    if args.evaluate and os.path.isfile(args.resume):
+        return load_checkpoint(args, model)
+    return choose_checkpoint(args, checkpoint_paths(args.output_dir, SHARDED_PREFIX),
+                             lambda path: os.path.isfile(os.path.join(path, TRAINER_STATE)),
+                             f"no sharded checkpoint at '{args.resume}': pass a {SHARDED_PREFIX}N directory of "
+                             "--output-dir to --resume, or --resume auto (a single-file .pth checkpoint only with -e)",
+                             lambda path: torch.load(os.path.join(path, TRAINER_STATE), weights_only=True))
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -293,17 +258,14 @@ def main_worker(args):
     if args.sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model.to(device)
-    # A single-file checkpoint (-e only) loads into the whole model, a sharded one into the shards.
-    checkpoint = load_checkpoint(args, model) if args.evaluate and os.path.isfile(args.resume) else (
-        sharded_checkpoint(args))
+    checkpoint = sharded_checkpoint(args, model)
     # Unlike DDP, fully_shard does not broadcast rank 0's initial weights: each rank would keep its
     # own slice of its own random initialisation. Start from rank 0's, as DDP does.
     for tensor in model.state_dict().values():
         dist.broadcast(tensor, src=0)
     # One mesh of all ranks on this process's device type: without one, fully_shard builds it on the
     # accelerator torch was built for, even under --cpu (CUDA tensors, a gloo group: it fails).
-    shard_model(model, init_device_mesh(device.type, (world_size,)), args)
-    parallel_model = model  # fully_shard changed it in place
+    parallel_model = shard_model(model, init_device_mesh(device.type, (world_size,)), args)  # in place: it is model
     micro_batch = args.batch_size // world_size // args.grad_accum_steps
     report_start(model, world_size, device, micro_batch, args,  # parameters gathered in forward and backward
                  ("all_gather", args.param_dtype, 2 * args.grad_accum_steps), ("reduce_scatter", args.reduce_dtype, 1))
@@ -316,7 +278,7 @@ def main_worker(args):
     optimizer = torch.optim.SGD(model.parameters(), args.lr * args.batch_size / 256, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(args, max(1, steps_per_epoch)))
-    if checkpoint and "path" in checkpoint:
+    if checkpoint and "state_dict" not in checkpoint:  # a sharded one
         load_sharded(checkpoint, model, optimizer, args)
     start_epoch, start_step, best_acc1 = resume_training(checkpoint, optimizer, scheduler, train_loader, rank,
                                                          world_size, [device], args)
@@ -324,16 +286,14 @@ def main_worker(args):
     start_profile(args, device, start_epoch, start_step, steps_per_epoch)  # --profile: every rank
     if args.evaluate:
         report_epoch(start_epoch - 1, validate(val_loader, model, device), world_size, device, args)
-        return finish(unwrapped(model, args, num_classes))
+        return finish(model)
 
     def save(epoch, step, loader_state, is_best=False):
         """Checkpoint the state after `step` optimizer steps of `epoch` (a whole epoch: epoch + 1, step 0)."""
-        check_finite([param.to_local() for param in model.parameters()], epoch, step,  # its shards
-                     optimizer.param_groups[0]["lr"])
+        check_finite(model.parameters(), epoch, step, optimizer.param_groups[0]["lr"])
         rngs = all_gather_objects(dict(rng_state([device]), loader=loader_state))  # collective: every rank's
-        save_sharded(model, optimizer, {"epoch": epoch, "step": step, "arch": args.arch,
-                                        "scheduler": scheduler.state_dict(), "best_acc1": best_acc1,
-                                        "world_size": world_size, "rng": rngs, "args": vars(args)}, args)
+        save_sharded(model, optimizer, args, {"epoch": epoch, "step": step, "arch": args.arch, "best_acc1": best_acc1,
+                     "scheduler": scheduler.state_dict(), "world_size": world_size, "rng": rngs, "args": vars(args)})
         if step:
             return
         # And the whole model in one file, for an unwrapped model (inference, fine-tuning, distributed.py -e).
@@ -358,7 +318,7 @@ def main_worker(args):
         is_best, best_acc1 = val["acc1"] > best_acc1, max(val["acc1"], best_acc1)
         save(epoch + 1, 0, train_loader.generator.get_state(), is_best)
         report_epoch(epoch, val, world_size, device, args, trained, start, optimizer.param_groups[0]["lr"])
-    finish(unwrapped(model, args, num_classes), best_acc1=best_acc1)
+    finish(model, best_acc1=best_acc1)
 
 
 def train(loader, model, criterion, optimizer, scheduler, epoch, first_step, steps, device, args, save):
@@ -386,23 +346,13 @@ def train(loader, model, criterion, optimizer, scheduler, epoch, first_step, ste
 
 
 def validate(loader, model, device):
-    """Exact evaluation: every val image counted once; (sum, count) reduced over ranks, not means."""
+    """Exact evaluation: every val image counted once; (sum, count) reduced over ranks, not means. It
+    runs the FSDP model, whose forward all-gathers: every rank runs it as often (val_batches pads)."""
     broadcast_buffers(model)
     model.eval()
     meter = AverageMeter(device)
-    # Each FSDP forward all-gathers every unit's parameters: collectives all ranks must join, so all
-    # run as many forwards as the rank with the most val batches (shard_batches' counts differ by at
-    # most one). A rank out of batches forwards a stand-in image and discards the output.
-    rounds = torch.tensor(len(loader), device=device)
-    dist.all_reduce(rounds, op=dist.ReduceOp.MAX)
-    batches = iter(loader)
     with torch.no_grad():
-        for _ in range(int(rounds)):
-            images, target = next(batches, (None, None))
-            if images is None:
-                model(torch.zeros(1, *loader.dataset[0][0].shape, device=device))
-                continue
-            images, target = to_device(images, target, device)
+        for images, target in val_batches(loader, device, model):
             output = model(images)
             meter.update(F.cross_entropy(output, target, reduction="none").double().sum(),
                          *correct_counts(output, target), target.size(0))
@@ -413,8 +363,7 @@ def validate(loader, model, device):
 
 
 def finish(model, best_acc1=None):
-    """Report every rank's digest of the whole final model (each rank's own gathered copy), then leave
-    the process group cleanly."""
+    """Report every rank's digest of the final model, then leave the process group cleanly."""
     digests = all_gather_objects(state_digest(model))
     summary("DONE", method=METHOD, state_sha256=digests, ranks_identical=len(set(digests)) == 1,
             **({} if best_acc1 is None else {"best_acc1": best_acc1}))
@@ -642,7 +591,9 @@ def diverged(what, epoch, step, lr):
 
 
 def check_finite(tensors, epoch, step, lr):
-    """Before a checkpoint is written: its weights are finite, on every rank (one small collective)."""
+    """Before a checkpoint is written: its weights are finite, on every rank (one small collective). Of
+    sharded weights each rank checks its own shards: an FSDP DTensor's local part, ZeRO 3's ds_tensor."""
+    tensors = [t.to_local() if hasattr(t, "to_local") else getattr(t, "ds_tensor", t) for t in tensors]
     bad = all_reduce_sum(torch.stack([t.detach().isfinite().all().logical_not() for t in tensors]).sum().double())
     if bad.item():
         raise diverged("the weights are not finite", epoch, step, lr)
@@ -682,6 +633,13 @@ def check_no_gpu_left_out():
         raise UsageError(f"nvidia-smi lists {len(drivers)} GPU(s) (driver {drivers[0]}) but torch {torch.__version__} "
                          f"sees none ({why}): update the driver or install a torch wheel for its CUDA, or pass --cpu "
                          "to train on the CPU")
+
+
+def require_bf16(wanted, device, error):
+    """A bf16 flag on a GPU that cannot run bf16 natively is one error line. including_emulation=False:
+    older GPUs run bf16 only emulated (the default True says they support it)."""
+    if wanted and device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise UsageError(error)
 
 
 def check_batch(args, world_size, replicas=1, sync_bn=False):
@@ -1090,6 +1048,18 @@ def to_device(images, target, device):
     if images.dtype == torch.uint8:
         images = images.to(mean.dtype).div(255)
     return (images - mean).div_(std), target.to(device, non_blocking=True)
+
+
+def val_batches(loader, device, collective_model=None):
+    """The loader's batches on the device (to_device). collective_model: a model whose forward is a
+    collective (FSDP, ZeRO 3: it all-gathers the parameters), which every rank must then run as often as
+    the rank with the most val batches (shard_batches' counts differ by at most one): a rank out of
+    batches forwards stand-in images through it, their outputs discarded."""
+    stand_ins = max(all_gather_objects(len(loader))) - len(loader) if collective_model else 0  # before a forward
+    for images, target in loader:
+        yield to_device(images, target, device)
+    for _ in range(stand_ins):
+        collective_model(torch.zeros(1, *loader.dataset[0][0].shape, device=device))
 
 
 def build_model(args, num_classes):
@@ -1573,6 +1543,37 @@ def save_checkpoint(state, is_best, args):
         raise
 
 
+def choose_checkpoint(args, newest, found, missing, load):
+    """--resume's checkpoint as load(path) returns it (a dict), with its "path" added and check_resumable's
+    checks passed; None to start fresh. 'auto' takes the first of `newest` (--output-dir's checkpoints,
+    newest first) that is intact and loads, saying which it skipped; a --resume that found(path) denies is
+    the error line `missing`. load raises UsageError to stop, anything else to fall back to an older one."""
+    if not args.resume:
+        return None
+    paths = newest if args.resume == "auto" else [os.path.normpath(args.resume)]
+    if not paths:
+        log(f"=> --resume auto: no checkpoint in '{args.output_dir}', starting fresh")
+        return None
+    if args.resume != "auto" and not found(paths[0]):
+        raise UsageError(missing)
+    error = UsageError(f"checkpoint '{paths[0]}' is damaged: pass another to --resume")
+    for path in intact(paths):
+        try:
+            checkpoint = dict(load(path), path=path)
+        except UsageError:
+            raise
+        except Exception as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            error = UsageError(f"cannot load checkpoint '{path}' (truncated, corrupt or not a plain-tensor "
+                               f"checkpoint): {reason}")
+            if path != paths[-1]:
+                log(f"=> {error}: skipping it")
+            continue
+        check_resumable(checkpoint, path, args)
+        return checkpoint
+    raise error
+
+
 def load_checkpoint(args, model):
     """Load --resume's checkpoint into the model and return it; None to start fresh ('auto' without one).
 
@@ -1580,39 +1581,24 @@ def load_checkpoint(args, model):
     weights_only=True never runs pickled code. It is loaded onto the CPU, whatever device wrote it:
     load_state_dict copies the weights to the model's device, and RNG states stay CPU tensors.
     """
-    if not args.resume:
+    def load(path):
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+            raise UsageError(f"'{path}' is not a checkpoint written by this cookbook (no state_dict)")
+        return checkpoint
+    # (checkpoint.pth alone: written before checkpoints were kept by name)
+    newest = checkpoint_paths(args.output_dir, "checkpoint-epoch") or [
+        path for path in [os.path.join(args.output_dir, "checkpoint.pth")] if os.path.isfile(path)]
+    checkpoint = choose_checkpoint(args, newest, os.path.isfile, f"no checkpoint at '{args.resume}': pass an "
+                                   "existing file to --resume (or --resume auto)", load)
+    if checkpoint is None:
         return None
-    paths = [args.resume]
-    if args.resume == "auto":  # (checkpoint.pth alone: written before checkpoints were kept by name)
-        paths = checkpoint_paths(args.output_dir, "checkpoint-epoch") or [
-            path for path in [os.path.join(args.output_dir, "checkpoint.pth")] if os.path.isfile(path)]
-        if not paths:
-            log(f"=> --resume auto: no checkpoint in '{args.output_dir}', starting fresh")
-            return None
-    elif not os.path.isfile(args.resume):
-        raise UsageError(f"no checkpoint at '{args.resume}': pass an existing file to --resume (or --resume auto)")
-    error = UsageError(f"checkpoint '{paths[0]}' is damaged: pass another to --resume")
-    for path in intact(paths):
-        try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-            break
-        except Exception as e:
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            error = UsageError(f"cannot load checkpoint '{path}' (truncated, corrupt or not a plain-tensor "
-                               f"checkpoint): {reason}")
-            if path != paths[-1]:
-                log(f"=> {error}: skipping it")
-    else:
-        raise error
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise UsageError(f"'{path}' is not a checkpoint written by this cookbook (no state_dict)")
-    check_resumable(checkpoint, path, args)
     try:
         model.load_state_dict(checkpoint["state_dict"])
     except RuntimeError as e:
-        raise UsageError(f"checkpoint '{path}' does not fit this model ({str(e).splitlines()[0]}): "
+        raise UsageError(f"checkpoint '{checkpoint['path']}' does not fit this model ({str(e).splitlines()[0]}): "
                          "check -a and the number of classes") from None
-    log(f"=> loaded checkpoint '{path}' (epoch {checkpoint['epoch']}, step {checkpoint.get('step', 0)})")
+    log(f"=> loaded checkpoint '{checkpoint['path']}' (epoch {checkpoint['epoch']}, step {checkpoint.get('step', 0)})")
     return checkpoint
 
 
@@ -1646,6 +1632,10 @@ def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_
                     if torch.is_tensor(value) and value.shape == param.shape and value.stride() != param.stride():
                         state[key] = torch.empty_like(param).copy_(value)
         scheduler.load_state_dict(checkpoint["scheduler"])
+        # The schedule's lr into the optimizer: DeepSpeed's engine loads the optimizer before the scheduler is
+        # made, whose first step overwrote it. (Elsewhere a no-op: the optimizer's state, loaded after, holds it.)
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
         if len(checkpoint["rng"]) == world_size:
             set_rng_state(checkpoint["rng"][rank], devices)
             train_loader.generator.set_state(checkpoint["rng"][rank]["loader"])
@@ -1656,9 +1646,11 @@ def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_
 
 
 def state_digest(model):
-    """SHA-256 of every parameter and buffer: equal digests mean bitwise-identical models."""
+    """SHA-256 of every parameter and buffer: equal digests mean bitwise-identical models. FSDP's sharded
+    parameters are gathered whole, one at a time onto the device (full_tensor: a collective)."""
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
+        tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

@@ -20,15 +20,16 @@ END = "# ---- end of shared helpers ----\n"
 SHARED_HELPERS = ["UsageError", "LocalError", "report", "log", "summary", "ArgumentParser", "number",
                   "training_arguments", "seed_everything", "Stopped", "join_process_group", "run", "stalled_ranks",
                   "stop_on_signals", "ignore_stop_signals", "diverged", "check_finite", "pick_device",
-                  "check_no_gpu_left_out", "check_batch", "check_output_dir", "claim_output_dir", "common_seed",
-                  "report_epoch", "report_data_stall", "check_tensorboard", "open_metrics", "write_metrics",
-                  "record_interval", "report_start", "report_communication", "step_range", "start_profile",
-                  "profile_step", "report_profile", "union", "intersect", "subtract", "length", "step_split",
-                  "load_image", "build_datasets", "normalization", "to_device", "build_model", "SyntheticImages",
-                  "SampleSeeded", "EpochIndices", "ResumableSampler", "shard_batches", "build_loaders", "check_steps",
-                  "import_dali", "DaliLoader", "AverageMeter", "Progress", "correct_counts", "lr_schedule",
-                  "rng_state", "set_rng_state", "to_cpu", "checkpoint_paths", "digest", "seal", "intact",
-                  "save_checkpoint", "load_checkpoint", "check_resumable", "resume_training", "state_digest"]
+                  "check_no_gpu_left_out", "require_bf16", "check_batch", "check_output_dir", "claim_output_dir",
+                  "common_seed", "report_epoch", "report_data_stall", "check_tensorboard", "open_metrics",
+                  "write_metrics", "record_interval", "report_start", "report_communication", "step_range",
+                  "start_profile", "profile_step", "report_profile", "union", "intersect", "subtract", "length",
+                  "step_split", "load_image", "build_datasets", "normalization", "to_device", "val_batches",
+                  "build_model", "SyntheticImages", "SampleSeeded", "EpochIndices", "ResumableSampler", "shard_batches",
+                  "build_loaders", "check_steps", "import_dali", "DaliLoader", "AverageMeter", "Progress",
+                  "correct_counts", "lr_schedule", "rng_state", "set_rng_state", "to_cpu", "checkpoint_paths", "digest",
+                  "seal", "intact", "save_checkpoint", "choose_checkpoint", "load_checkpoint", "check_resumable",
+                  "resume_training", "state_digest"]
 
 
 def shared_block(path):
@@ -72,7 +73,7 @@ SAME_AS_REFERENCE = {
     "apex_distributed.py": COMMUNICATION + ["gradient_sync", "launcher_name", "main", "finish"],
     "dataparallel.py": COMMUNICATION + ["train", "validate", "finish"],
     "horovod_distributed.py": ["main", "validate", "finish"],
-    "fsdp_distributed.py": ["all_reduce_sum", "all_gather_objects", "leave_process_group", "launcher_name", "train"],
+    "fsdp_distributed.py": COMMUNICATION + ["launcher_name", "main", "train", "finish"],
     "deepspeed_distributed.py": COMMUNICATION + ["main"],
 }
 
