@@ -1632,10 +1632,6 @@ def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_
                     if torch.is_tensor(value) and value.shape == param.shape and value.stride() != param.stride():
                         state[key] = torch.empty_like(param).copy_(value)
         scheduler.load_state_dict(checkpoint["scheduler"])
-        # The schedule's lr into the optimizer: DeepSpeed's engine loads the optimizer before the scheduler is
-        # made, whose first step overwrote it. (Elsewhere a no-op: the optimizer's state, loaded after, holds it.)
-        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-            group["lr"] = lr
         if len(checkpoint["rng"]) == world_size:
             set_rng_state(checkpoint["rng"][rank], devices)
             train_loader.generator.set_state(checkpoint["rng"][rank]["loader"])

@@ -26,7 +26,6 @@ def test_dali_batches_are_the_default_loaders_up_to_resampling(tiny_data):
     args = distributed.argument_parser().parse_args(["--data", str(tiny_data), "--min-crop-scale", "0.35",
                                                      "--val-batch-size", "16"] + FAST)
     train_set, val_set, _ = distributed.build_datasets(args)
-    train_set = distributed.SampleSeeded(train_set, args.seed)
     batches = {}
     for backend in ("torch", "dali"):
         args.data_backend = backend
