@@ -191,7 +191,7 @@ def main(argv=None):
     os.sched_setaffinity(0, {min(all_cores)})  # one core: every thread of every backend shares it
     print(f"{len(files)} images of {args.data}/train per row, one process pinned to core {min(all_cores)}, "
           f"1 thread; A100 rate {A100_IMAGES_PER_SEC} images/s (NVIDIA DeepLearningExamples RN50 AMP)")
-    print(f"| backend | what it includes | images/s per core | x today | cores per A100 |\n|---|---|---|---|---|")
+    print("| backend | what it includes | images/s per core | x today | cores per A100 |\n|---|---|---|---|---|")
     # Rounds interleave the rows, and each row keeps its best round: on a shared machine, another
     # process taking the core for a while then slows one round of every row, not one row.
     runnable = [(name, run, row_files) for name, _, run, row_files in rows if not isinstance(run, str)]
