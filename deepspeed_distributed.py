@@ -508,6 +508,18 @@ def stalled_ranks(grace=5.0):
     return [r for r in range(world_size) if r not in alive] if alive else [0]
 
 
+def supervise(processes):
+    """A launcher's wait for the processes it started (mp.spawn(join=False)'s context). A stop signal sent
+    to the launcher is meant for the job (Slurm's may reach it alone): it is passed on to every process."""
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, lambda received, frame: [os.kill(pid, received) for pid in processes.pids()])
+    try:
+        while not processes.join(grace_period=10):  # a bad flag fails them all: 10 s for rank 0 to say why
+            pass
+    except torch.multiprocessing.ProcessExitedException as e:  # a failed one printed its error; a killed one not
+        sys.exit(e.exit_code if e.exit_code > 0 else f"error: {e}")
+
+
 def stop_on_signals():
     """SIGTERM (a launcher ending the job: torchrun passes it on, Slurm sends it on preemption) and
     SIGUSR1 (Slurm's warning before the time limit, #SBATCH --signal) ask training to stop: the

@@ -58,7 +58,7 @@ def argument_parser():
     parser.add_argument("--nprocs-per-node", type=number(int, 1), default=1,
                         help="processes each Slurm task spawns (one per GPU) for one task per node; 1: none")
     parser.add_argument("--dist-file", metavar="PATH", help="rendezvous through a file on a filesystem all nodes "
-                        "share, instead of TCP to the first node (job id, step and requeue count are appended)")
+                        "share, not TCP to node 0 (one file per job, step and requeue: a killed run leaves its own)")
     return parser
 
 
@@ -71,7 +71,6 @@ def setup_distributed(args):
         raise UsageError("--sync-bn needs CUDA: SyncBatchNorm works only with CUDA modules (drop --sync-bn on CPU)")
     check_batch(args, world_size, sync_bn=args.sync_bn and world_size > 1)  # one process: plain BatchNorm
     if world_size > 1:  # the launcher's rendezvous (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)
-        # or --dist-file: one file per job, step and requeue, as a killed run leaves its file behind.
         job = ".".join(os.environ.get(k, "0") for k in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT"))
         join_process_group(device, args, "set MASTER_PORT to a free one (default 10000 + job id % 20000)",
                            init_method=f"file://{os.path.abspath(args.dist_file)}.{job}" if args.dist_file else "env://",
@@ -90,17 +89,16 @@ def first_host(nodelist):
     return re.sub(r"\[([^,\-\]]+)[^\]]*\]", r"\1", first)  # each [...] by its first number
 
 
-def slurm_environment(args):
-    """Set what a launcher sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) from
-    Slurm's task numbering; a task that spawns N processes (--nprocs-per-node) counts as N (worker())."""
+def launch(args):
+    """Set what torchrun sets from Slurm's task numbering, then train (or start --nprocs-per-node processes)."""
     env, n = os.environ, args.nprocs_per_node
     if "SLURM_JOB_ID" in env and "SLURM_STEP_ID" not in env:
-        raise UsageError("started by the batch script itself, which Slurm counts as one task whatever the job "
-                         "size: launch it with srun (srun python distributed_slurm_main.py ...)")
+        raise UsageError("started by the batch script, which Slurm counts as one task whatever the job size: "
+                         "launch it with srun (srun python distributed_slurm_main.py ...)")
     tasks, nodes = int(env.get("SLURM_NTASKS", 1)), int(env.get("SLURM_NNODES", 1))
     if n > 1 and tasks != nodes:
-        raise UsageError(f"--nprocs-per-node spawns processes per Slurm task, but this step runs {tasks} tasks "
-                         f"on {nodes} node(s): use one task per node (srun --ntasks-per-node=1 -n {nodes})")
+        raise UsageError(f"--nprocs-per-node needs one Slurm task per node, not {tasks} on {nodes} node(s): "
+                         f"srun --ntasks-per-node=1 -n {nodes}")
     # This node's tasks: SLURM_STEP_TASKS_PER_NODE '2(x3),1' is 2 tasks on each of 3 nodes, then 1.
     counts = re.findall(r"(\d+)(?:\(x(\d+)\))?", env.get("SLURM_STEP_TASKS_PER_NODE", "1"))
     on_node = [int(count) for count, times in counts for _ in range(int(times or 1))][int(env.get("SLURM_NODEID", 0))]
@@ -111,10 +109,10 @@ def slurm_environment(args):
     if 0 < visible < len(env.get("SLURM_STEP_GPUS", "").split(",")):
         local_rank, local_size = local_rank % visible, visible
     env.update(RANK=str(rank), WORLD_SIZE=str(tasks * n), LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(local_size))
-    # Rank 0 runs on the step's first node (the step may use only part of the job's nodes). Every
-    # task derives the same port without talking to the others; jobs sharing a node get different ones.
+    # Rank 0 is on the step's first node; every task derives the same port, and jobs sharing a node other ones.
     env.setdefault("MASTER_ADDR", first_host(env.get("SLURM_STEP_NODELIST", "127.0.0.1")))
     env.setdefault("MASTER_PORT", str(10000 + int(env.get("SLURM_JOB_ID", 0)) % 20000))
+    supervise(mp.spawn(worker, args=(args,), nprocs=n, join=False)) if n > 1 else main_worker(args)  # (not fork: CUDA)
 
 
 # ---- communication: the lines each method does its own way (no-ops without a process group) ----
@@ -151,24 +149,9 @@ def main(argv=None):
     run(launch, argument_parser().parse_args(argv))  # the exit status and error line of every way it can end
 
 
-def launch(args):
-    """One task per process: it trains. One task per node: it starts --nprocs-per-node processes (worker)."""
-    slurm_environment(args)
-    if args.nprocs_per_node == 1:
-        return main_worker(args)
-    processes = mp.spawn(worker, args=(args,), nprocs=args.nprocs_per_node, join=False)  # a fork could not use CUDA
-    for signum in (signal.SIGTERM, signal.SIGUSR1):  # Slurm's stop signal may reach this task alone: pass it on
-        signal.signal(signum, lambda received, frame: [os.kill(pid, received) for pid in processes.pids()])
-    try:
-        while not processes.join(grace_period=10):  # a bad flag fails them all: 10 s for rank 0 to say why
-            pass
-    except mp.ProcessExitedException as e:  # a failed process printed its error line; a killed one did not
-        sys.exit(e.exit_code if e.exit_code > 0 else f"error: {e}")
-
-
 def worker(index, args):
     global RANK
-    RANK = int(os.environ["RANK"]) + index  # slurm_environment set the task's first process's ranks
+    RANK = int(os.environ["RANK"]) + index  # launch set the task's first process's ranks
     os.environ.update(RANK=str(RANK), LOCAL_RANK=str(index))  # (one task per node: local rank 0)
     run(main_worker, args)
 
@@ -475,6 +458,18 @@ def stalled_ranks(grace=5.0):
     thread.start()
     thread.join(3 * grace)
     return [r for r in range(world_size) if r not in alive] if alive else [0]
+
+
+def supervise(processes):
+    """A launcher's wait for the processes it started (mp.spawn(join=False)'s context). A stop signal sent
+    to the launcher is meant for the job (Slurm's may reach it alone): it is passed on to every process."""
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, lambda received, frame: [os.kill(pid, received) for pid in processes.pids()])
+    try:
+        while not processes.join(grace_period=10):  # a bad flag fails them all: 10 s for rank 0 to say why
+            pass
+    except torch.multiprocessing.ProcessExitedException as e:  # a failed one printed its error; a killed one not
+        sys.exit(e.exit_code if e.exit_code > 0 else f"error: {e}")
 
 
 def stop_on_signals():

@@ -124,14 +124,7 @@ def launch(args):
         raise UsageError("--nnodes > 1 needs --port: pass the same free port of node 0 on every node")
     os.environ.update(MASTER_ADDR=args.ip, MASTER_PORT=str(args.port or get_free_port()),
                       WORLD_SIZE=str(args.nnodes * args.nprocs), LOCAL_WORLD_SIZE=str(args.nprocs))
-    processes = mp.spawn(worker, args=(args,), nprocs=args.nprocs, join=False)  # a fork could not use CUDA
-    for signum in (signal.SIGTERM, signal.SIGUSR1):  # a stop signal sent here is meant for the job: pass it on
-        signal.signal(signum, lambda received, frame: [os.kill(pid, received) for pid in processes.pids()])
-    try:
-        while not processes.join(grace_period=10):  # a bad flag fails them all: 10 s for rank 0 to say why
-            pass
-    except mp.ProcessExitedException as e:  # a failed process printed its error line; a killed one did not
-        sys.exit(e.exit_code if e.exit_code > 0 else f"error: {e}")
+    supervise(mp.spawn(worker, args=(args,), nprocs=args.nprocs, join=False))  # a fork could not use CUDA
 
 
 def worker(index, args):
@@ -443,6 +436,18 @@ def stalled_ranks(grace=5.0):
     thread.start()
     thread.join(3 * grace)
     return [r for r in range(world_size) if r not in alive] if alive else [0]
+
+
+def supervise(processes):
+    """A launcher's wait for the processes it started (mp.spawn(join=False)'s context). A stop signal sent
+    to the launcher is meant for the job (Slurm's may reach it alone): it is passed on to every process."""
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, lambda received, frame: [os.kill(pid, received) for pid in processes.pids()])
+    try:
+        while not processes.join(grace_period=10):  # a bad flag fails them all: 10 s for rank 0 to say why
+            pass
+    except torch.multiprocessing.ProcessExitedException as e:  # a failed one printed its error; a killed one not
+        sys.exit(e.exit_code if e.exit_code > 0 else f"error: {e}")
 
 
 def stop_on_signals():

@@ -19,6 +19,7 @@ END = "# ---- end of shared helpers ----\n"
 # make it here too.
 SHARED_HELPERS = ["UsageError", "LocalError", "report", "log", "summary", "ArgumentParser", "number",
                   "training_arguments", "seed_everything", "Stopped", "join_process_group", "run", "stalled_ranks",
+                  "supervise",
                   "stop_on_signals", "ignore_stop_signals", "diverged", "check_finite", "pick_device",
                   "check_no_gpu_left_out", "require_bf16", "check_batch", "check_output_dir", "claim_output_dir",
                   "common_seed", "report_epoch", "report_data_stall", "check_tensorboard", "open_metrics",

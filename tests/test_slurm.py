@@ -72,7 +72,7 @@ def test_spawn_two_nodes_world_size_four(tiny_data, tmp_path):
 
 # The first case fails in both tasks, before they spawn: exactly one line must come out.
 @pytest.mark.parametrize("nproc,nprocs_per_node,message", [
-    (2, 2, "use one task per node (srun --ntasks-per-node=1 -n 1)"),
+    (2, 2, "needs one Slurm task per node, not 2 on 1 node(s): srun --ntasks-per-node=1 -n 1"),
     (1, 0, "argument --nprocs-per-node: 0 is out of range: pass a number >= 1"),
 ], ids=["spawn with two tasks on a node", "no processes per node"])
 def test_bad_launch(tiny_data, tmp_path, nproc, nprocs_per_node, message):
@@ -88,14 +88,15 @@ def test_bad_launch(tiny_data, tmp_path, nproc, nprocs_per_node, message):
     ("", 0, 1, ("1", "4")),  # no GPUs at all: CPU processes
 ])
 def test_local_rank_from_slurm(monkeypatch, step_gpus, visible, local_id, expected):
-    """slurm_environment's local rank and processes per node, for a step of 4 tasks per node (the 2nd
+    """launch's local rank and processes per node, for a step of 4 tasks per node (the 2nd
     node of 3: SLURM_STEP_TASKS_PER_NODE '4(x2),1' means 4, 4 and 1 tasks), with the GPUs a task sees."""
     env = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_NNODES": "3", "SLURM_NTASKS": "9", "SLURM_PROCID": "5",
            "SLURM_LOCALID": str(local_id), "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "4(x2),1",
            "SLURM_STEP_GPUS": step_gpus, "SLURM_STEP_NODELIST": "n[1-3]"}
     monkeypatch.setattr(os, "environ", env)
     monkeypatch.setattr(torch.accelerator, "device_count", lambda: visible)
-    distributed_slurm_main.slurm_environment(distributed_slurm_main.argument_parser().parse_args([]))
+    monkeypatch.setattr(distributed_slurm_main, "main_worker", lambda args: None)  # the environment only
+    distributed_slurm_main.launch(distributed_slurm_main.argument_parser().parse_args([]))
     assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"]) == ("5", "9", "n1")
     assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == expected
 
