@@ -53,8 +53,7 @@ def argument_parser():
     parser = training_arguments("PyTorch ImageNet training with DeepSpeed ZeRO")
     parser.add_argument("--zero-stage", type=number(int, 0, 3), default=2, help="0: no ZeRO; 1/N per rank of "
                         "1: the optimizer state, 2: also the gradients, 3: also the parameters")
-    # No float16: with torch's GradScaler under ZeRO 1-2, DeepSpeed skips an overflowed step before the
-    # scaler sees it, so its scale never drops. On GPUs, DeepSpeed's own fp16 ("fp16" in a config file).
+    # No float16: under ZeRO 1-2 DeepSpeed skips an overflowed step before GradScaler sees it (its scale never drops).
     parser.add_argument("--precision", choices=["float32", "bfloat16"], default="float32",
                         help="DeepSpeed's torch_autocast: forward in this dtype (weights and BatchNorm stay float32)")
     parser.add_argument("--deepspeed-config", metavar="FILE", help="DeepSpeed JSON config for anything else")
@@ -107,20 +106,17 @@ def engine_config(args, world_size):
     config["zero_optimization"] = {"reduce_bucket_size": size, "allgather_bucket_size": size,
                                    **config.get("zero_optimization", {}), "stage": args.zero_stage}
     config["torch_autocast"] = {"enabled": args.precision != "float32", "dtype": args.precision}
-    # Its "fp16"/"bf16" cast the weights, not the images (fp16's auto_cast is off by default: engine.py
-    # forward), and the evaluation runs the plain module on float32 images: it could not train or evaluate.
+    # Its "fp16"/"bf16" cast the weights, not the images, and validate runs the plain module on float32 images.
     for section in ("fp16", "bf16"):
         if config.get(section, {}).get("enabled"):
             raise UsageError(f'--deepspeed-config enables DeepSpeed\'s "{section}", which this script cannot train '
-                             "with: drop it; use --precision bfloat16 (Ampere or newer GPUs, CPUs) or, for fp16, "
-                             "apex_distributed.py --amp-dtype float16")
+                             "with: drop it; use --precision bfloat16, or apex_distributed.py --amp-dtype float16")
     return config
 
 
 def zero_collectives(args):
-    """What each ZeRO stage sends per optimizer step (report_communication): 0 all-reduces the gradients
-    once; 1 reduce-scatters them once, 2 at each micro-batch's backward, and both all-gather the updated
-    parameters; 3 also gathers the parameters for each micro-batch's forward and backward."""
+    """What each ZeRO stage sends per optimizer step: 0 all-reduces the gradients; 1 reduce-scatters them once,
+    2 at each micro-batch, and both all-gather the updated weights; 3 gathers them for each forward and backward."""
     accum = args.grad_accum_steps
     return [[("all_reduce", None, 1)], [("reduce_scatter", None, 1), ("all_gather", None, 1)],
             [("reduce_scatter", None, accum), ("all_gather", None, 1)],
@@ -147,6 +143,11 @@ def all_gather_objects(obj):
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
+
+
+def gradient_sync(model, last_micro_batch):
+    """Nothing: the engine's backward() and step() know the last micro-batch (ZeRO 2, 3 reduce at each one)."""
+    return contextlib.nullcontext()
 
 
 def broadcast_buffers(model):
@@ -233,10 +234,10 @@ def main_worker(args):
         """Checkpoint the state after `step` optimizer steps of `epoch` (a whole epoch: epoch + 1, step 0)."""
         check_finite(model.parameters(), epoch, step, optimizer.param_groups[0]["lr"])
         rngs = all_gather_objects(dict(rng_state([device]), loader=loader_state))  # collective: every rank's
+        state = {"epoch": epoch, "step": step, "arch": args.arch, "scheduler": scheduler.state_dict(),
+                 "best_acc1": best_acc1, "world_size": world_size, "rng": rngs, "args": vars(args)}
         tag = f"ds-epoch{epoch}" + (f"-step{step}" if step else "")
-        parallel_model.save_checkpoint(args.output_dir, tag, client_state={  # every rank writes its shards
-            "epoch": epoch, "step": step, "arch": args.arch, "scheduler": scheduler.state_dict(),
-            "best_acc1": best_acc1, "world_size": world_size, "rng": rngs, "args": vars(args)})
+        parallel_model.save_checkpoint(args.output_dir, tag, client_state=state)  # every rank writes its shards
         if rank == 0:  # it returns once every rank's files are written
             seal(os.path.join(args.output_dir, tag), args.keep_checkpoints)
         if step:
@@ -276,12 +277,12 @@ def train(loader, model, criterion, optimizer, scheduler, epoch, first_step, ste
     for step in range(first_step, steps):
         for micro in range(accum):
             images, target = to_device(*next(batches), device)
-            output = model(images)
-            loss = criterion(output.float(), target)  # float: under --precision the logits are not
-            # The engine divides the loss by --grad-accum-steps; ZeRO 0, 1 communicate at the last micro-batch
-            # only (ZeRO 2, 3 reduce-scatter each one's gradients). step() each time: it updates at the last.
-            model.backward(loss)
-            model.step()
+            with gradient_sync(model, micro == accum - 1):
+                output = model(images)
+                loss = criterion(output.float(), target)  # float: under --precision the logits are not
+                # The engine divides the loss by the micro-batch count; step() each time: it updates at the last.
+                model.backward(loss)
+                model.step()
             progress.update(loss, output, target)
         scheduler.step()
         progress.step_done(step, optimizer.param_groups[0]["lr"])  # may checkpoint, or stop every rank

@@ -150,11 +150,10 @@ def main_worker(args):
         """Checkpoint the state after `step` optimizer steps of `epoch` (a whole epoch: epoch + 1, step 0)."""
         check_finite(model.parameters(), epoch, step, optimizer.param_groups[0]["lr"])
         rngs = all_gather_objects(dict(rng_state([device]), loader=loader_state))  # collective: every rank's
+        state = {"epoch": epoch, "step": step, "arch": args.arch, "scheduler": scheduler.state_dict(),
+                 "best_acc1": best_acc1, "world_size": world_size, "rng": rngs, "args": vars(args)}
         if rank == 0:
-            save_checkpoint({"epoch": epoch, "step": step, "arch": args.arch, "state_dict": model.state_dict(),
-                             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                             "best_acc1": best_acc1, "world_size": world_size, "rng": rngs, "args": vars(args)},
-                            is_best, args)
+            save_checkpoint(dict(state, state_dict=model.state_dict(), optimizer=optimizer.state_dict()), is_best, args)
 
     for epoch in range(start_epoch, args.epochs):
         # set_epoch reshuffles: without it every epoch would visit the data in the same order. After
