@@ -112,7 +112,8 @@ def launch(args):
     # Rank 0 is on the step's first node; every task derives the same port, and jobs sharing a node other ones.
     env.setdefault("MASTER_ADDR", first_host(env.get("SLURM_STEP_NODELIST", "127.0.0.1")))
     env.setdefault("MASTER_PORT", str(10000 + int(env.get("SLURM_JOB_ID", 0)) % 20000))
-    supervise(mp.spawn(worker, args=(args,), nprocs=n, join=False)) if n > 1 else main_worker(args)  # (not fork: CUDA)
+    # A task per node starts the node's processes (spawn: a fork could not use CUDA); a task per process trains.
+    supervise(mp.spawn(worker, args=(args,), nprocs=n, join=False)) if n > 1 else main_worker(args)
 
 
 # ---- communication: the lines each method does its own way (no-ops without a process group) ----
