@@ -286,6 +286,13 @@ def report(error):
     if RANK == 0 or isinstance(error, LocalError):
         # Raised in a DataLoader worker, it comes back with the worker's traceback before its message.
         print(f"error: {str(error).rsplit(type(error).__name__ + ': ', 1)[-1].strip()}", file=sys.stderr, flush=True)
+        return
+    # Every rank meets it, and rank 0 prints it. A rank that exited first would have its launcher
+    # (horovodrun, torchrun, mp.spawn) kill a rank 0 still starting up, before its line (seen in CI):
+    # wait for the launcher's stop signal once rank 0 has exited, 10 s at most.
+    deadline = time.monotonic() + 10
+    while not STOP_SIGNALS and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def log(*args, **kwargs):

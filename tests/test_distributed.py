@@ -511,6 +511,23 @@ def test_bad_input(case, tiny_data, checkpoint, tmp_path):
     assert not list(out.glob("*.pth")) and not list(out.glob(".*.tmp"))
 
 
+def test_an_error_every_rank_meets_is_printed_by_rank_0_and_the_others_wait_for_it():
+    """The others exit only on the launcher's stop signal (after rank 0 exited) or after 10 s: exiting
+    first, one had horovodrun kill a rank 0 still importing torch, and the error line was lost (CI)."""
+    code = ("import sys, distributed as d; d.stop_on_signals(); print('ready', flush=True); "
+            "d.report(d.UsageError('bad')); sys.exit(2)")
+    for rank in (0, 1):
+        p = subprocess.Popen([PYTHON, "-c", code], cwd=REPO, env={**os.environ, "RANK": str(rank)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert p.stdout.readline() == "ready\n"
+        if rank:
+            with pytest.raises(subprocess.TimeoutExpired):  # still waiting, its line left to rank 0
+                p.wait(timeout=2)
+            p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=5) == 2
+        assert p.stderr.read() == ("" if rank else "error: bad\n")
+
+
 def test_a_full_disk_at_save_is_one_line_and_keeps_the_last_checkpoint(tiny_data, checkpoint, tmp_path):
     """A disk that fills mid-save (as CI's did): torch.save's own RuntimeError hides the OSError. Here
     RLIMIT_FSIZE makes every write past 1 MB fail (EFBIG), a real failed write in a real run."""
