@@ -329,6 +329,9 @@ def training_arguments(description):
     add("-e", "--evaluate", action="store_true", help="evaluate the model on val and exit")
     add("--seed", type=number(int, 0), help="seed everything, deterministic kernels (bitwise-reproducible on CPU)")
     add("--cpu", action="store_true", help="use the CPU even if GPUs are visible")
+    add("--dist-backend", choices=["nccl", "gloo"],
+        help="process group backend (default: nccl on GPUs, gloo on the CPU); gloo on GPUs lets several processes "
+             "share one GPU, e.g. to test 2 ranks on a 1-GPU machine")
     add("--profile", type=step_range, metavar="START:STOP",
         help="torch.profiler records this run's optimizer steps START..STOP (from 1) on every rank: a Chrome "
              "trace per rank in --output-dir (trace-rank<R>.json) and one line per rank splitting the step time")
@@ -354,11 +357,14 @@ class Stopped(Exception):
 
 
 def join_process_group(device, args, port_hint, **kwargs):
-    """init_process_group: nccl on GPUs, gloo on the CPU; device_id binds the group to this GPU (none on
-    the CPU). A rendezvous that fails is one error line; port_hint: what to do if the port is in use."""
+    """init_process_group: nccl on GPUs, gloo on the CPU (or --dist-backend's); device_id binds an NCCL group
+    to this GPU. A rendezvous that fails is one error line; port_hint: what to do if the port is in use."""
+    backend = args.dist_backend or dist.get_default_backend_for_device(device)
+    if backend == "nccl" and device.type != "cuda":
+        raise UsageError("--dist-backend nccl needs GPUs: leave it out on the CPU (gloo)")
     try:
-        dist.init_process_group(dist.get_default_backend_for_device(device), device_id=None if device.type == "cpu"
-                                else device, timeout=timedelta(seconds=args.dist_timeout), **kwargs)
+        dist.init_process_group(backend, device_id=device if backend == "nccl" else None,
+                                timeout=timedelta(seconds=args.dist_timeout), **kwargs)
     except dist.DistNetworkError as e:
         raise UsageError(f"cannot join the process group at {os.environ.get('MASTER_ADDR')}:"
                          f"{os.environ.get('MASTER_PORT')} ({str(e).splitlines()[0]}): if the port is in use "
@@ -479,13 +485,14 @@ def pick_device(args, local_rank, local_world_size):
         if not args.cpu:
             check_no_gpu_left_out()
         return torch.device("cpu")
-    if local_world_size > torch.accelerator.device_count():
+    gpus = torch.accelerator.device_count()
+    if local_world_size > gpus and args.dist_backend != "gloo":  # NCCL refuses two ranks on one GPU
         # All processes of this node fail alike: its local rank 0 says why (rank 0 may be on another node).
         raise (LocalError if local_rank == 0 else UsageError)(
-            f"{local_world_size} processes on this node, which shows {torch.accelerator.device_count()} GPU(s): "
-            "start at most one process per GPU")
-    torch.accelerator.set_device_index(local_rank)  # before any GPU work, so nothing lands on GPU 0 by accident
-    return torch.device(accelerator.type, local_rank)
+            f"{local_world_size} processes on this node, which shows {gpus} GPU(s): start at most one process "
+            "per GPU (--dist-backend gloo lets processes share a GPU, slowly: for tests)")
+    torch.accelerator.set_device_index(local_rank % gpus)  # before any GPU work, so nothing lands on GPU 0 by accident
+    return torch.device(accelerator.type, local_rank % gpus)
 
 
 def check_no_gpu_left_out():

@@ -27,12 +27,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dummy", action="store_true", help="accepted for symmetry: the data is always synthetic")
     parser.add_argument("--dummy-samples", type=int, default=10000)
-    parser.add_argument("-a", "--arch", default="resnet18")
+    parser.add_argument("-a", "--arch", default="resnet18", help="a torchvision model, or timm:NAME")
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("-b", "--batch-size", type=int, default=256, help="global batch")
     parser.add_argument("-j", "--workers", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--no-communication", action="store_true", help="independent replicas: no DDP")
+    parser.add_argument("--amp-dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+                        help="autocast dtype (float16 with a GradScaler): the yardstick of apex_distributed.py's")
+    parser.add_argument("--channels-last", choices=["on", "off"], default="off")
     args, _ = parser.parse_known_args()
 
     accelerator = torch.accelerator.current_accelerator(check_available=True)
@@ -53,7 +56,13 @@ def main():
     sampler = torch.utils.data.distributed.DistributedSampler(data, drop_last=True)
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size // world, sampler=sampler, drop_last=True,
                                          num_workers=args.workers, pin_memory=device.type != "cpu")
-    model = models.get_model(args.arch, num_classes=1000).to(device)
+    # timm:NAME: timm's model of that name (where timm is installed), as a reference row.
+    model = (__import__("timm").create_model(args.arch[5:], num_classes=1000) if args.arch.startswith("timm:")
+             else models.get_model(args.arch, num_classes=1000)).to(device)
+    memory_format = torch.channels_last if args.channels_last == "on" else torch.contiguous_format
+    model = model.to(memory_format=memory_format)
+    dtype = getattr(torch, args.amp_dtype)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     if not args.no_communication:
         model = DDP(model)
     optimizer = torch.optim.SGD(model.parameters(), 0.1 * args.batch_size / 256, momentum=0.9, weight_decay=1e-4)
@@ -64,10 +73,12 @@ def main():
         start = time.perf_counter()
         for images, target in loader:
             images, target = to_device(images, target, device)
-            loss = criterion(model(images), target)
+            with torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
+                loss = criterion(model(images.contiguous(memory_format=memory_format)), target)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
             images_seen += target.size(0) * world
         if accelerator is not None:
             torch.accelerator.synchronize()

@@ -21,7 +21,10 @@ REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 # The CPU suite runs the CPU code path on every machine, with GPUs or not: no process it starts sees
 # a GPU. tests/test_gpu.py gives its runs the GPUs back (env=GPU_ENV; None unsets the variable).
-GPU_ENV = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
+# pytest-xdist's workers inherit the hidden GPUs: the value the session started with is kept for them.
+os.environ.setdefault("COOKBOOK_TEST_GPUS", os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
+GPU_ENV = {"CUDA_VISIBLE_DEVICES": None if os.environ["COOKBOOK_TEST_GPUS"] == "unset"
+           else os.environ["COOKBOOK_TEST_GPUS"]}
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 # Flags every test run shares: 32 px digits, no loader workers unless a test asks, quiet progress.
 FAST = ["--image-size", "32", "-j", "0", "-p", "1000", "--seed", "0"]
@@ -403,3 +406,15 @@ def bad_inputs(tiny_data, checkpoint, tmp):
         "decompression bomb image": (["--data", bomb, "-b", 32], "python",
                                      f"cannot read image '{bomb_image}' (Image size (1600000000 pixels) exceeds limit"),
     }
+
+
+def pytest_runtest_logreport(report):
+    """scripts/gpu_check.py's live record: each test's outcome appended to $GPU_CHECK_RESULTS as it ends
+    (under pytest-xdist, in the controller), so a check cut short keeps the rows it had."""
+    path = os.environ.get("GPU_CHECK_RESULTS")
+    if path and (report.when == "call" or report.outcome != "passed"):
+        reason = report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple) else (
+            str(report.longrepr).strip().splitlines()[-1] if report.failed and report.longrepr else "")
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": report.nodeid.split("::", 1)[-1], "outcome": report.outcome,
+                                "seconds": round(report.duration, 1), "reason": reason}) + "\n")

@@ -3,10 +3,14 @@
     .venv/bin/python -m pytest -q tests/test_gpu.py     # on a machine with 1 or more CUDA GPUs
 
 Without a CUDA GPU every test here is skipped with one reason, which the test log shows (CI's
-machines have none: these tests are not counted there). Tests that need 2 GPUs, an Ampere GPU,
-Horovod built with NCCL or a running Slurm cluster say so when they skip. The CPU suite runs the
-same scripts with no GPU visible (conftest.py hides them).
+machines have none: these tests are not counted there). The multi-process runs take 2 processes: on
+2 or more GPUs one per GPU over NCCL; on one GPU both share it over gloo (--dist-backend gloo: NCCL
+refuses two ranks on one GPU), so DDP, FSDP2 and ZeRO on CUDA tensors are still compared with one
+process. Tests that need 2 GPUs (DataParallel, SyncBatchNorm, Horovod's NCCL), an Ampere GPU, Horovod
+built with NCCL or a running Slurm cluster say so when they skip. The CPU suite runs the same
+scripts with no GPU visible (conftest.py hides them). scripts/gpu_check.sh runs this file.
 """
+import json
 import subprocess
 
 import pytest
@@ -27,9 +31,9 @@ AMPERE = GPUS and probe("import torch; print(torch.cuda.is_bf16_supported(includ
 HOROVOD_NCCL = GPUS and probe("import horovod.torch as hvd; print(hvd.nccl_built())") not in ("", "0", "False")
 DEEPSPEED = GPUS and probe("import deepspeed; print(1)")
 SLURM_UP = GPUS and probe("import subprocess; subprocess.run(['scontrol', 'ping'], check=True); print(1)")
-TWO = min(GPUS, 2)  # processes of the multi-GPU runs
+TWO = 2  # processes of the multi-process runs: sharing one GPU over gloo where there is only one
 pytestmark = pytest.mark.skipif(GPUS == 0, reason="no CUDA GPU visible: tests/test_gpu.py needs a machine with GPUs")
-needs_two = pytest.mark.skipif(GPUS == 1, reason="needs 2 or more GPUs")
+needs_two = pytest.mark.skipif(GPUS == 1, reason="needs 2 or more GPUs (NCCL, or one replica per GPU)")
 # Any of these in a run's stderr: a kernel without a deterministic CUDA version ran (warn_only=True),
 # so two runs may differ in the last bits of their floating-point sums.
 NONDETERMINISTIC = "does not have a deterministic implementation"
@@ -44,9 +48,17 @@ METHODS = {  # name: (script, launcher, extra flags)
 }
 
 
-def gpu_run(args, script="distributed.py", launcher="torchrun", nproc=TWO, env=None):
-    """A trainer run that sees the GPUs (one process per GPU, except DataParallel's one process)."""
-    return run(args, launcher, 1 if launcher == "python" else nproc, script, env={**GPU_ENV, **(env or {})})
+def gpu_run(args, script="distributed.py", launcher="torchrun", nproc=TWO, env=None, share=True):
+    """A trainer run that sees the GPUs: one process per GPU (DataParallel: one process), or, with more
+    processes than GPUs, processes sharing them over gloo unless share=False."""
+    nproc = 1 if launcher == "python" else nproc
+    args = list(args) + (["--dist-backend", "gloo"] if share and nproc > GPUS else [])
+    return run(args, launcher, nproc, script, env={**GPU_ENV, **(env or {})})
+
+
+def one_gpu_horovod():
+    if GPUS == 1:
+        pytest.skip("Horovod's 2 ranks need 2 GPUs (its NCCL refuses two ranks on one GPU)")
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -54,6 +66,8 @@ def test_method_trains_resumes_and_evaluates_exactly(method, tiny_data, tmp_path
     script, launcher, extra = METHODS[method]
     if method == "horovod" and not probe("import horovod.torch; print(1)"):
         pytest.skip("Horovod is not installed: bash scripts/install_horovod.sh")
+    if method == "horovod":
+        one_gpu_horovod()
     args = ["--data", tiny_data, "-b", 32, "--warmup-epochs", 1, "--lr-step-size", 1] + extra + FAST
     straight = gpu_run(args + ["--epochs", 2, "--output-dir", tmp_path / "straight"], script, launcher).check()
     assert [(s["device"], s["val_count"]) for s in straight.summaries] == [("cuda", 37)] * 2
@@ -90,6 +104,26 @@ def test_checkpoint_from_the_gpu_opens_without_one(tmp_path, tiny_data):
     assert opened.stdout.split() == ["1", "cpu"]
 
 
+def test_loader_workers_feed_the_gpu_the_same_batches(tiny_data, tmp_path):
+    """-j 2: spawned workers, pinned memory, copies to the GPU without blocking: the weights of -j 0."""
+    args = ["--data", tiny_data, "-b", 32, "--epochs", 1] + FAST
+    runs = [gpu_run(args + ["--output-dir", tmp_path / str(j), "-j", j], nproc=1).check() for j in (0, 2)]
+    if any(NONDETERMINISTIC in r.stderr for r in runs):
+        assert max_abs_diff(*(load_state(tmp_path / str(j) / "checkpoint.pth")["state_dict"] for j in (0, 2))) <= 1e-3
+    else:
+        assert runs[0].done["state_sha256"] == runs[1].done["state_sha256"]
+
+
+def test_profile_records_the_gpu_kernels(tiny_data, tmp_path):
+    """--profile on a GPU: the trace holds the CUDA kernels (compute) and the split accounts for every step."""
+    r = gpu_run(["--data", tiny_data, "-b", 32, "--epochs", 1, "--output-dir", tmp_path, "--profile", "2:3"] + FAST,
+                nproc=1).check()
+    events = json.load(open(tmp_path / "trace-rank0.json"))["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events)
+    (line,) = [json.loads(l.split(" ", 1)[1]) for l in r.stdout.splitlines() if l.startswith("PROFILE ")]
+    assert line["compute"] > 0 and all(line[k] >= 0 for k in ("data_wait", "optimizer", "comm_exposed"))
+
+
 @pytest.mark.parametrize("script", ["distributed.py", "apex_distributed.py", "fsdp_distributed.py",
                                     "deepspeed_distributed.py"])
 def test_cpu_flag_with_gpus_visible_starts_no_cuda(script, tmp_path, tiny_data):
@@ -110,7 +144,7 @@ def test_cpu_flag_with_gpus_visible_starts_no_cuda(script, tmp_path, tiny_data):
 
 
 def test_more_processes_than_gpus_is_one_error_line(tiny_data, tmp_path):
-    r = gpu_run(["--data", tiny_data, "-b", 32, "--output-dir", tmp_path] + FAST, nproc=GPUS + 1)
+    r = gpu_run(["--data", tiny_data, "-b", 32, "--output-dir", tmp_path] + FAST, nproc=GPUS + 1, share=False)
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode != 0 and len(errors) == 1, r.stderr
     assert f"{GPUS + 1} processes on this node, which shows {GPUS} GPU(s)" in errors[0]
@@ -130,12 +164,14 @@ def one_gpu_weights(tmp_path_factory):
     return float64_weights(out)
 
 
-@needs_two
-@pytest.mark.parametrize("method", ["ddp", "dp", "horovod"])
+@pytest.mark.parametrize("method", ["ddp", pytest.param("dp", marks=needs_two), "horovod"])
 def test_two_gpus_train_as_one(method, tmp_path, one_gpu_weights):
-    """NCCL's all-reduce (DDP, Horovod built with NCCL) and DataParallel's gather: the same weights."""
+    """NCCL's all-reduce (DDP, Horovod built with NCCL) and DataParallel's gather: the same weights. On one
+    GPU, DDP's two processes all-reduce CUDA tensors over gloo."""
     if method == "horovod" and not HOROVOD_NCCL:
         pytest.skip("Horovod is not built with NCCL here (bash scripts/install_horovod.sh builds it so)")
+    if method == "horovod":
+        one_gpu_horovod()
     script, launcher, _ = METHODS[method]
     gpu_run(["--output-dir", tmp_path] + EQUIV, script, launcher, env=FLOAT64).check()
     assert max_abs_diff(float64_weights(tmp_path), one_gpu_weights) <= EQUIV_TOLERANCE
@@ -149,10 +185,10 @@ def test_two_gpus_train_as_one(method, tmp_path, one_gpu_weights):
     # that the hook did run only if the weights moved by more than EQUIV_TOLERANCE.
     pytest.param("apex_distributed.py", "torchrun", ["--amp-dtype", "float32", "--grad-compression", "fp16"],
                  EQUIV_TOLERANCE, 1e-3,
-                 id="grad-compression-fp16", marks=needs_two),
+                 id="grad-compression-fp16"),
     pytest.param("apex_distributed.py", "torchrun", ["--amp-dtype", "float32", "--grad-compression", "bf16"],
                  EQUIV_TOLERANCE, 4e-3,
-                 id="grad-compression-bf16", marks=needs_two),
+                 id="grad-compression-bf16"),
     # test_horovod.py's bounds for the same fp16 rounding on Horovod's NCCL all-reduce.
     pytest.param("horovod_distributed.py", "horovodrun", ["--fp16-allreduce"], 1e-5, 1e-3, id="horovod-fp16-allreduce",
                  marks=needs_two),
@@ -174,6 +210,8 @@ def test_signal_mid_epoch_resume_trains_as_one_gpu(method, tmp_path, one_gpu_wei
                                "horovod": ("horovod_distributed.py", "horovodrun", [])}[method]
     if method == "horovod" and not HOROVOD_NCCL:
         pytest.skip("Horovod is not built with NCCL here (bash scripts/install_horovod.sh builds it so)")
+    if method == "horovod":
+        one_gpu_horovod()
     resume_mid_epoch(tmp_path, *[lambda args, env: gpu_run(args + extra, script, launcher, env=env)] * 2)
     assert max_abs_diff(float64_weights(tmp_path), one_gpu_weights) <= EQUIV_TOLERANCE
 
@@ -186,7 +224,6 @@ def two_gpus_ddp_weights(tmp_path_factory):
     return load_state(out / "checkpoint.pth")["state_dict"]
 
 
-@needs_two
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_deepspeed_zero_on_nccl_trains_ddps_weights(stage, tmp_path, two_gpus_ddp_weights):
     """ZeRO's NCCL reduce-scatter / all-gather of the gradients and weights: DDP's update on the same

@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import subprocess
+from pathlib import Path
 from xml.etree import ElementTree
 
 from conftest import GLOO_THREAD, PYTHON, REPO, script_module, trace_op
@@ -146,16 +147,31 @@ def test_imagenet_like_set_matches_imagenet_and_resizes(tmp_path):
     assert all(abs(i.width / i.height - o.width / o.height) < 0.01 for i, o in zip(resized, images))
 
 
-def test_gpu_check_refuses_a_machine_without_gpus(tmp_path):
-    """nvidia-smi finds no GPU (as it says on a GPU-less machine, exit 6): one error line, exit 2, before
-    installing anything."""
-    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\necho 'No devices were found'\nexit 6\n")
-    (tmp_path / "nvidia-smi").chmod(0o755)
-    r = subprocess.run(["bash", REPO / "scripts" / "gpu_check.sh"], capture_output=True, text=True,
-                       env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"})
-    assert r.returncode == 2 and r.stdout == "", r.stdout
-    assert r.stderr.splitlines() == ["gpu_check.sh: error: no NVIDIA GPU here (nvidia-smi lists none): this checks "
-                                     "GPU machines; on a CPU one run .ci/run"]
+def test_gpu_check_runs_offline_on_a_cpu_machine_and_says_what_it_skipped(tmp_path):
+    """The offline check (the default) on a machine without GPUs: it installs nothing and uses no network
+    (a proxy that refuses every connection), writes both reports, one line per absent engine, and every GPU
+    row skipped with the reason. A --wheels folder that fetch_wheels.sh did not fill is one error line."""
+    site = Path(PYTHON).parent.parent / "lib"
+    before = sorted(p.name for p in site.glob("python*/site-packages/*"))
+    offline = {**os.environ, "PYTHON": PYTHON, "PIP_NO_INDEX": "1", "https_proxy": "http://127.0.0.1:9",
+               "http_proxy": "http://127.0.0.1:9"}
+    r = subprocess.run(["bash", REPO / "scripts" / "gpu_check.sh", "--offline", "--out", tmp_path / "check.md",
+                        "--logs", tmp_path / "logs"], capture_output=True, text=True, env=offline)
+    assert r.returncode == 0, r.stderr
+    report = json.loads((tmp_path / "check.json").read_text())
+    assert report["machine"]["gpus"] == 0
+    assert report["suite"]["status"] == report["benchmark"]["status"] == "skipped: no CUDA GPU visible to torch"
+    assert "## GPU suite (tests/test_gpu.py): skipped: no CUDA GPU" in (tmp_path / "check.md").read_text()
+    absent = [line for line in r.stdout.splitlines() if " absent: " in line and not line.startswith("- ")]
+    assert [line.split(" absent: ")[0] for line in absent] == [
+        name for name, version in zip(("DeepSpeed", "Horovod", "DALI", "pytest", "pytest-xdist", "timm"),
+                                      report["engines"].values()) if version is None]
+    assert sorted(p.name for p in site.glob("python*/site-packages/*")) == before
+    r = subprocess.run(["bash", REPO / "scripts" / "gpu_check.sh", "--wheels", tmp_path], capture_output=True,
+                       text=True, env=offline)
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        f"gpu_check.sh: error: --wheels {tmp_path} has no requirements.txt: fill it with scripts/fetch_wheels.sh "
+        f"{tmp_path} on an online machine"]
 
 
 # ---- README: its table's diff column, its snippets, its links and docs/'s ----
