@@ -107,7 +107,7 @@ def engine_config(args, world_size):
                                    **config.get("zero_optimization", {}), "stage": args.zero_stage}
     config["torch_autocast"] = {"enabled": args.precision != "float32", "dtype": args.precision}
     # Its "fp16"/"bf16" cast the weights, not the images, and validate runs the plain module on float32 images.
-    for section in ("fp16", "bf16"):
+    for section in ("fp16", "bf16", "bfloat16"):  # "bfloat16": bf16's old name, still read (precision_config.py)
         if config.get(section, {}).get("enabled"):
             raise UsageError(f'--deepspeed-config enables DeepSpeed\'s "{section}", which this script cannot train '
                              "with: drop it; use --precision bfloat16, or apex_distributed.py --amp-dtype float16")
