@@ -445,7 +445,7 @@ def run(main_worker, args):
         sys.exit(143)  # 128 + SIGTERM, as if the signal had ended the process: not a success, so it is requeued
     except RuntimeError as e:
         # gloo's words for a timed-out collective: on the one that waited, or on a later one that
-        # found its connections closed by the timeout.
+        # found its connections closed by the timeout. NCCL's aborts the process instead (docs/operations.md).
         if not (dist.is_initialized() and ("Timed out waiting" in str(e) or "Application timeout" in str(e))):
             raise
         stalled = stalled_ranks()

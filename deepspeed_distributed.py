@@ -55,7 +55,8 @@ def argument_parser():
                         "1: the optimizer state, 2: also the gradients, 3: also the parameters")
     # No float16: under ZeRO 1-2 DeepSpeed skips an overflowed step before GradScaler sees it (its scale never drops).
     parser.add_argument("--precision", choices=["float32", "bfloat16"], default="float32",
-                        help="DeepSpeed's torch_autocast: forward in this dtype (weights and BatchNorm stay float32)")
+                        help="DeepSpeed's torch_autocast: forward in this dtype (weights, BatchNorm and the "
+                             "gradients' reduction stay float32)")
     parser.add_argument("--deepspeed-config", metavar="FILE", help="DeepSpeed JSON config for anything else")
     parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
     parser.add_argument("--dist-timeout", type=number(float, 0, open_low=True), default=1800,
@@ -106,8 +107,11 @@ def engine_config(args, world_size):
     config["zero_optimization"] = {"reduce_bucket_size": size, "allgather_bucket_size": size,
                                    **config.get("zero_optimization", {}), "stage": args.zero_stage}
     config["torch_autocast"] = {"enabled": args.precision != "float32", "dtype": args.precision}
+    # Its default lower_precision_safe_modules (Linear, Conv) would have ZeRO 1-3 reduce their float32 gradients, and
+    # ZeRO 3 gather their weights, in bf16 (runtime/torch_autocast.py, base_optimizer.py's get_param_comm_dtype): none.
+    config["torch_autocast"]["lower_precision_safe_modules"] = []
     # Its "fp16"/"bf16" cast the weights, not the images, and validate runs the plain module on float32 images.
-    for section in ("fp16", "bf16"):
+    for section in ("fp16", "bf16", "bfloat16"):  # "bfloat16": bf16's old name, still read (precision_config.py)
         if config.get(section, {}).get("enabled"):
             raise UsageError(f'--deepspeed-config enables DeepSpeed\'s "{section}", which this script cannot train '
                              "with: drop it; use --precision bfloat16, or apex_distributed.py --amp-dtype float16")
@@ -481,7 +485,7 @@ def run(main_worker, args):
         sys.exit(143)  # 128 + SIGTERM, as if the signal had ended the process: not a success, so it is requeued
     except RuntimeError as e:
         # gloo's words for a timed-out collective: on the one that waited, or on a later one that
-        # found its connections closed by the timeout.
+        # found its connections closed by the timeout. NCCL's aborts the process instead (docs/operations.md).
         if not (dist.is_initialized() and ("Timed out waiting" in str(e) or "Application timeout" in str(e))):
             raise
         stalled = stalled_ranks()

@@ -267,8 +267,11 @@ def main_worker(args):
     # accelerator torch was built for, even under --cpu (CUDA tensors, a gloo group: it fails).
     parallel_model = shard_model(model, init_device_mesh(device.type, (world_size,)), args)  # in place: it is model
     micro_batch = args.batch_size // world_size // args.grad_accum_steps
+    # FSDP reduces the gradients in --reduce-dtype, else in their own, --param-dtype's (torch's _fsdp_collectives.py:
+    # reduce_dtype or grad_dtype). BatchNorm's few weights, float32 under --param-dtype bfloat16, count as bf16.
     report_start(model, world_size, device, micro_batch, args,  # parameters gathered in forward and backward
-                 ("all_gather", args.param_dtype, 2 * args.grad_accum_steps), ("reduce_scatter", args.reduce_dtype, 1))
+                 ("all_gather", args.param_dtype, 2 * args.grad_accum_steps),
+                 ("reduce_scatter", args.reduce_dtype or args.param_dtype, 1))
     args.seed = common_seed(checkpoint, args)  # every rank shuffles alike: their shares partition the data
     train_sampler, train_loader, val_loader = build_loaders(args, train_set, val_set, world_size, rank, device,
                                                             micro_batch)
@@ -539,7 +542,7 @@ def run(main_worker, args):
         sys.exit(143)  # 128 + SIGTERM, as if the signal had ended the process: not a success, so it is requeued
     except RuntimeError as e:
         # gloo's words for a timed-out collective: on the one that waited, or on a later one that
-        # found its connections closed by the timeout.
+        # found its connections closed by the timeout. NCCL's aborts the process instead (docs/operations.md).
         if not (dist.is_initialized() and ("Timed out waiting" in str(e) or "Application timeout" in str(e))):
             raise
         stalled = stalled_ranks()

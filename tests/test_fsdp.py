@@ -101,11 +101,13 @@ def test_training_equals_single_process(extra, per_process, tmp_path, single_pro
 
 
 def test_bfloat16_follows_float32(tmp_path, float32_weights):
-    """bf16 parameters and gradient reduction: close to fp32's update, yet not equal to it.
+    """bf16 parameters and gradient reduction (--reduce-dtype's default): close to fp32's update, yet not
+    equal to it, and the reported bytes are bf16's.
 
     The bounds (cosine >= 0.85, length within 0.8-1.25) are test_methods.py's for autocast bf16,
     which explains them; a policy bug (a lost or doubled step, gradients not averaged) moves far."""
-    fsdp(["--output-dir", tmp_path, "--param-dtype", "bfloat16", "--reduce-dtype", "bfloat16"] + EQUIV).check()
+    r = fsdp(["--output-dir", tmp_path, "--param-dtype", "bfloat16"] + EQUIV).check()
+    assert "(2 x all_gather in bfloat16 + 1 x reduce_scatter in bfloat16 of " in r.stdout, r.stdout
     assert_bf16_follows_float32(tmp_path, float32_weights, "the policy")
 
 
