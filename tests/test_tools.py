@@ -54,14 +54,15 @@ def test_statistics_reads_the_metrics_log(tmp_path):
                 position = [fields["epoch"] + 1, 0] if kind == "SUMMARY" else None
                 f.write(json.dumps({"kind": kind, "position": position, "time": 0, **fields}) + "\n")
                 f.write(json.dumps({"kind": "train", "position": [0, 1], "time": 0, "loss": 1.0}) + "\n")
-    # A --profile run's lines, one per rank: the table's last column is the median of their exposed shares.
-    profiles = [f'PROFILE {{"rank": {rank}, "step": 200.0, "comm_exposed": {exposed}, "comm_overlapped": 1.0}}\n'
-                for rank, exposed in enumerate((30.0, 50.0))]
-    (logs / "ddp.log").write_text("".join(line for line in text if not line.startswith(("SUMMARY", "DONE")))
-                                  + "".join(profiles))
+    (logs / "ddp.log").write_text("".join(line for line in text if not line.startswith(("SUMMARY", "DONE"))))
+    # A --profile run's records (tools/profile_split.py's, one per rank): the table's last column is the median
+    # of their exposed shares.
+    (logs / "ddp.profile.jsonl").write_text("".join(
+        json.dumps({"rank": rank, "step": 200.0, "comm_exposed": exposed, "comm_overlapped": 1.0}) + "\n"
+        for rank, exposed in enumerate((30.0, 50.0))))
     # A run of 2 ranks whose trace holds no collective (Horovod's): no share, and a note saying why.
-    with open(logs / "deepspeed.log", "a") as f:
-        f.write('PROFILE {"rank": 0, "step": 200.0, "comm_exposed": 0.0, "comm_overlapped": 0.0}\n')
+    (logs / "deepspeed.profile.jsonl").write_text('{"rank": 0, "step": 200.0, "comm_exposed": 0.0, '
+                                                  '"comm_overlapped": 0.0}\n')
     r = bash("statistics.sh", logs)
     assert r.returncode == 0, r.stderr
     assert "| ddp | torchrun | 2 | cpu | 3 | 14.5 | 145.0 | 2.13 | 96.1 | 0.01 | 0.906 | 0.725 | 0.20 |" in r.stdout
