@@ -1,6 +1,7 @@
 """statistics.sh on fixture logs, start.sh's command lines (--dry-run), gpu_check.sh's refusal without GPUs;
 profile_split.py and plot_profile.py on hand-made traces; README's computed table column, its snippets of the
 scripts, and the links of README and docs/."""
+import gzip
 import json
 import os
 import re
@@ -133,16 +134,17 @@ def test_step_split_of_a_known_gpu_timeline():
 
 def test_profile_split_reads_a_run_folder(tmp_path):
     """The command line: a folder of trace-rank<R>.json gives one row (or JSON record) per rank, in ms
-    per step; a file that is not a trace, or a folder without any, is one error line."""
+    per step (a gzipped trace too); a file that is not a trace, or a folder without any, is one error line."""
     (tmp_path / "trace-rank0.json").write_text(json.dumps({"traceEvents": gpu_trace()}))
-    (tmp_path / "trace-rank1.json").write_text(json.dumps({"traceEvents": gpu_trace(), "distributedInfo": {"rank": 1}}))
+    (tmp_path / "trace-rank1.json.gz").write_bytes(gzip.compress(json.dumps({"traceEvents": gpu_trace(),
+                                                                              "distributedInfo": {"rank": 1}}).encode()))
     r = subprocess.run([PYTHON, REPO / "tools" / "profile_split.py", tmp_path, "--json"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
     records = [json.loads(line) for line in r.stdout.splitlines()]
     assert [(p["rank"], p["device"], p["steps"], p["step"], p["data_wait"]) for p in records] == [
         (0, "gpu", 2, 0.09, 0.01), (1, "gpu", 2, 0.09, 0.01)]
-    r = subprocess.run([PYTHON, REPO / "tools" / "profile_split.py", tmp_path / "trace-rank1.json"],
+    r = subprocess.run([PYTHON, REPO / "tools" / "profile_split.py", tmp_path / "trace-rank1.json.gz"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "| 1 | gpu | 2 | 0.09 | " in r.stdout, r.stdout
     (tmp_path / "empty").mkdir()

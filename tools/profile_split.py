@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Split the step time of --profile's traces into disjoint parts, per rank, in ms per step.
 
-    python tools/profile_split.py checkpoints/               # every trace-rank<R>.json in the folder
+    python tools/profile_split.py checkpoints/               # every trace-rank<R>.json(.gz) in the folder
     python tools/profile_split.py trace-rank0.json --json    # one JSON record per trace instead of a table
 
 Any torch.profiler Chrome trace with ProfilerStep#N steps will do. The parts, and what each means on
@@ -10,6 +10,7 @@ on each method's, statistics.sh reads its records, tools/plot_profile.py draws t
 """
 import argparse
 import bisect
+import gzip
 import json
 import re
 import sys
@@ -46,14 +47,16 @@ def intersect(a, b):
 
 def subtract(a, b):
     """The time in a, not in b (both unions)."""
-    out = []
+    out, j = [], 0
     for start, end in a:
-        for cut_start, cut_end in b:
-            if cut_end <= start or cut_start >= end:
-                continue
-            if cut_start > start:
-                out.append((start, cut_start))
-            start = max(start, cut_end)
+        while j < len(b) and b[j][1] <= start:  # a's intervals come in order: b's passed ones stay passed
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            if b[k][0] > start:
+                out.append((start, b[k][0]))
+            start = max(start, b[k][1])
+            k += 1
         if start < end:
             out.append((start, end))
     return out
@@ -137,9 +140,10 @@ def step_split(events, with_intervals=False):
 def read_trace(path):
     """A trace's events and rank (its distributedInfo, else the R of trace-rank<R>.json), or an error line."""
     try:
-        trace = json.loads(Path(path).read_text())
+        data = Path(path).read_bytes()
+        trace = json.loads(gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data)  # .json.gz: gzipped
         events = trace["traceEvents"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, EOFError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"error: cannot read a Chrome trace from '{path}' ({e}): pass a trace-rank<R>.json of "
                          "--profile") from None
     rank = (trace.get("distributedInfo") or {}).get("rank")
@@ -165,7 +169,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     paths = []
     for path in args.traces:
-        found = sorted(path.glob("trace-rank*.json"), key=lambda p: int(re.sub(r"\D", "", p.name) or 0)) \
+        found = sorted(path.glob("trace-rank*.json*"), key=lambda p: int(re.sub(r"\D", "", p.name) or 0)) \
             if path.is_dir() else [path]
         if not found:
             sys.exit(f"error: no trace-rank<R>.json in '{path}': pass the --output-dir of a run with --profile")
