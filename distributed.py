@@ -329,8 +329,9 @@ def training_arguments(description):
         help="process group backend (default: nccl on GPUs, gloo on the CPU); gloo on GPUs lets several processes "
              "share one GPU, e.g. to test 2 ranks on a 1-GPU machine")
     add("--profile", type=step_range, metavar="START:STOP",
-        help="torch.profiler records this run's optimizer steps START..STOP (from 1) on every rank: a Chrome "
-             "trace per rank in --output-dir (trace-rank<R>.json) and one line per rank splitting the step time")
+        help="torch.profiler records this run's optimizer steps START..STOP (from 1; START >= 2: the step before "
+             "warms it up) on every rank: a Chrome trace per rank in --output-dir (trace-rank<R>.json), whose step "
+             "time tools/profile_split.py splits")
     return parser
 
 
@@ -710,10 +711,11 @@ def report_communication(model, world_size, *collectives):
 
 
 def step_range(text):
-    """argparse type of --profile: START:STOP, 1 <= START <= STOP."""
+    """argparse type of --profile: START:STOP, 2 <= START <= STOP (step START - 1 warms the profiler up)."""
     start, _, stop = text.partition(":")
-    if not (start.isdigit() and stop.isdigit() and 1 <= int(start) <= int(stop)):
-        raise argparse.ArgumentTypeError(f"'{text}' is not START:STOP: pass two step numbers, 1 <= START <= STOP")
+    if not (start.isdigit() and stop.isdigit() and 2 <= int(start) <= int(stop)):
+        raise argparse.ArgumentTypeError(f"'{text}' is not START:STOP with 2 <= START <= STOP: the step before START "
+                                         "warms the profiler up (the first pays one-time costs too)")
     return int(start), int(stop)
 
 
@@ -731,12 +733,10 @@ def start_profile(args, device, epoch, step, steps_per_epoch):
                          "raise --epochs)")
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
                                                           if device.type == "cuda" else [])
-    path = os.path.join(args.output_dir, f"trace-rank{RANK}.json")
     PROFILE["profiler"] = torch.profiler.profile(
         activities=activities, profile_memory=device.type == "cuda", record_shapes=True,
-        schedule=torch.profiler.schedule(wait=max(start - 2, 0), warmup=min(start - 1, 1), active=stop - start + 1,
-                                         repeat=1),
-        on_trace_ready=lambda profiler: report_profile(profiler, path, args.profile))
+        schedule=torch.profiler.schedule(wait=start - 2, warmup=1, active=stop - start + 1, repeat=1),
+        on_trace_ready=lambda profiler: write_trace(profiler, args))
     PROFILE["profiler"].start()
 
 
@@ -748,103 +748,12 @@ def profile_step():
             PROFILE.pop("profiler").stop()
 
 
-def report_profile(profiler, path, steps):
-    """Write this rank's trace, then print its step time split (step_split) as one PROFILE line."""
-    profiler.export_chrome_trace(path)
+def write_trace(profiler, args):
+    """Each rank writes its own timeline; tools/profile_split.py splits their step time."""
+    profiler.export_chrome_trace(os.path.join(args.output_dir, f"trace-rank{RANK}.json"))
     PROFILE["written"] = True
-    with open(path) as f:
-        split = step_split(json.load(f)["traceEvents"])
-    split = {key: round(value / 1000 / (steps[1] - steps[0] + 1), 3) for key, value in split.items()}  # ms per step
-    record = {"rank": RANK, "steps": list(steps), **split, "trace": path}
-    print("PROFILE " + json.dumps(record), flush=True)  # every rank: each has its own timeline
-    write_metrics("PROFILE", METRICS.get("position"), **record)
-
-
-def union(intervals):
-    """Sorted, disjoint (start, end) intervals covering the same time as `intervals`."""
-    merged = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [tuple(interval) for interval in merged]
-
-
-def intersect(a, b):
-    """The time in both of two unions (as union returns them)."""
-    out, i, j = [], 0, 0
-    while i < len(a) and j < len(b):
-        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if start < end:
-            out.append((start, end))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
-def subtract(a, b):
-    """The time in a, not in b (both unions)."""
-    out = []
-    for start, end in a:
-        for cut_start, cut_end in b:
-            if cut_end <= start or cut_start >= end:
-                continue
-            if cut_start > start:
-                out.append((start, cut_start))
-            start = max(start, cut_end)
-        if start < end:
-            out.append((start, end))
-    return out
-
-
-def length(intervals):
-    return sum(end - start for start, end in intervals)
-
-
-def step_split(events, with_intervals=False):
-    """Split the recorded steps' time (Chrome trace events, microseconds) into disjoint parts: data wait
-    (the loader's __next__), optimizer (Optimizer.step/zero_grad), compute (CPU ops of the training
-    threads; on GPUs: kernels other than NCCL's), exposed communication (collectives running while none
-    of those run: gloo's threads, c10d ops, NCCL kernels) and other (Python, launches, idle); plus the
-    communication overlapped with compute. Each instant of a step counts once, in the first part that covers it.
-    with_intervals: also the (start, end) intervals of each part (tools/plot_profile.py draws them)."""
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e["name"] == "thread_name"}
-    kinds = {name: [] for name in ("steps", "data", "optimizer", "cpu", "cpu_comm", "gpu", "gpu_comm")}
-    for e in events:
-        if e.get("ph") != "X":
-            continue
-        name, category, interval = e["name"], e.get("cat", ""), (e["ts"], e["ts"] + e.get("dur", 0))
-        if name.startswith("ProfilerStep#"):
-            kinds["steps"].append(interval)
-        elif "DataLoader" in name and "__next__" in name:
-            kinds["data"].append(interval)
-        elif name.startswith(("Optimizer.step#", "Optimizer.zero_grad#")):
-            kinds["optimizer"].append(interval)
-        elif category in ("kernel", "gpu_memcpy", "gpu_memset"):
-            kinds["gpu_comm" if "nccl" in name.lower() else "gpu"].append(interval)
-        elif name.startswith(("gloo:", "c10d::")) or "gloo" in threads.get((e["pid"], e["tid"]), ""):
-            kinds["cpu_comm"].append(interval)
-        elif category == "cpu_op":
-            kinds["cpu"].append(interval)
-    # On GPUs the kernels are the work (CPU ops only launch them); on the CPU, the ops of the training threads.
-    gpu = bool(kinds["gpu"] or kinds["gpu_comm"])
-    kinds["compute"], kinds["comm"] = (kinds["gpu"], kinds["gpu_comm"]) if gpu else (kinds["cpu"], kinds["cpu_comm"])
-    steps, data, optimizer, compute, comm = (union(kinds[k]) for k in ("steps", "data", "optimizer", "compute", "comm"))
-    data = intersect(steps, data)
-    optimizer = subtract(intersect(steps, optimizer), data)
-    busy = union(data + optimizer)
-    compute = subtract(intersect(steps, compute), busy)
-    comm = subtract(intersect(steps, comm), busy)
-    exposed = subtract(comm, compute)
-    intervals = {"step": steps, "compute": compute, "comm_exposed": exposed,
-                 "comm_overlapped": intersect(comm, compute), "data_wait": data, "optimizer": optimizer}
-    parts = {key: length(value) for key, value in intervals.items()}
-    parts["other"] = parts["step"] - parts["compute"] - parts["comm_exposed"] - parts["data_wait"] - parts["optimizer"]
-    return (parts, intervals) if with_intervals else parts
+    log(f"=> profile: steps {args.profile[0]}..{args.profile[1]} traced in {args.output_dir}/trace-rank<R>.json, "
+        f"one per rank; their split: python tools/profile_split.py {args.output_dir}")
 
 
 # What PIL raises for a file it cannot decode; DecompressionBombError (not an OSError) for one whose header

@@ -8,7 +8,8 @@
 #   bash start.sh --benchmark             # images/s of each method against a bare DDP loop and
 #                                         # against the ceiling: N replicas with no communication
 #   bash start.sh --profile 3:6           # also profile steps 3..6 of each method: trace-rank<R>.json in its
-#                                         # checkpoint directory, its exposed-communication share in the table
+#                                         # checkpoint directory, split by tools/profile_split.py into
+#                                         # logs/<method>.profile.jsonl, its exposed-communication share in the table
 #   bash start.sh --dry-run               # print the commands only
 #
 # One process per GPU when GPUs are visible, else --nproc CPU processes (default 2). Each method
@@ -23,7 +24,7 @@ methods=$(IFS=,; echo "${ALL_METHODS[*]}")
 data="" dummy=0 epochs=4 nproc="" dry_run=0 benchmark=0 repeats=3 logs=logs profile=""
 extra=()
 
-usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 die() { echo "start.sh: error: $*" >&2; exit 2; }
 
 while (( $# )); do
@@ -145,6 +146,9 @@ run_method() {  # run_method METHOD: run it, appending to its log, showing its p
     wait
     # Each repeat's metrics log, kept beside its text log for statistics.sh (the next repeat removes the run's directory).
     [[ -f $logs/checkpoints/$m/metrics.jsonl ]] && cat "$logs/checkpoints/$m/metrics.jsonl" >>"$logs/$m.metrics.jsonl"
+    if [[ -n $profile ]] && (( status == 0 )); then
+        "$PY" tools/profile_split.py --json "$logs/checkpoints/$m" >>"$logs/$m.profile.jsonl" || status=$?
+    fi
     echo "   $m finished in $(( SECONDS - start )) s (exit $status)"
     (( status == 0 )) || failed+=("$m")
 }
@@ -161,7 +165,7 @@ for m in ${methods//,/ }; do
         echo "== $m: skipped: $skip"
     else
         runnable+=("$m")
-        (( dry_run )) || : >"$logs/$m.log" >"$logs/$m.metrics.jsonl"
+        (( dry_run )) || { : >"$logs/$m.log" >"$logs/$m.metrics.jsonl"; rm -f "$logs/$m.profile.jsonl"; }
     fi
 done
 failed=()

@@ -13,7 +13,7 @@
 # bare.log and a ceiling.log (from start.sh --benchmark) get columns with each method's images/s over the bare DDP
 # loop's and over the ceiling's (the same work on independent replicas, with no communication).
 # Runs with --profile (start.sh --profile) add the median over ranks of the step time share spent in
-# communication not overlapped with compute (the trainers' PROFILE lines).
+# communication not overlapped with compute (LOGDIR/<method>.profile.jsonl: tools/profile_split.py's records).
 # Missing, failed or unfinished runs are reported in a line below the table, never crash it.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
@@ -45,13 +45,18 @@ def read(path):
                     summaries.append(json.loads(payload))
                 elif kind == "DONE":
                     done = json.loads(payload)
-                elif kind == "PROFILE":
-                    profiles.append(json.loads(payload))
             except json.JSONDecodeError:
                 errors.append(f"unreadable {kind} line")
             if line.startswith("error:"):
                 errors.append(line.strip())
-    metrics = path[:-len(".log")] + ".metrics.jsonl"
+    base = path[:-len(".log")]
+    if os.path.isfile(base + ".profile.jsonl"):
+        with open(base + ".profile.jsonl") as f:
+            try:
+                profiles = [json.loads(line) for line in f]
+            except json.JSONDecodeError:
+                errors.append("unreadable profile.jsonl line")
+    metrics = base + ".metrics.jsonl"
     if os.path.isfile(metrics) and os.path.getsize(metrics):
         summaries, done = [], None
         with open(metrics) as f:

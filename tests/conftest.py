@@ -396,6 +396,8 @@ def bad_inputs(tiny_data, checkpoint, tmp):
         "mid-epoch checkpoint, other -b": (["--data", tiny_data, "-b", 16, "--resume", mid_epoch], "python",
                                            "after step 1 of -b 32: resume it with that -b"),
         "--profile not a range": (data + ["--profile", "3"], "python", "'3' is not START:STOP"),
+        "--profile with no warm-up": (data + ["--profile", "1:2"], "python",
+                                      "'1:2' is not START:STOP with 2 <= START <= STOP: the step before START warms"),
         "--profile past the run": (data + ["--epochs", 1, "--profile", "2:4"], "python",
                                    "--profile 2:4: this run has only 3 optimizer steps: lower STOP"),
         "train set below one batch": (["--data", tiny_data, "-b", 128], "python", "smaller than one global batch"),

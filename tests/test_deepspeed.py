@@ -27,10 +27,12 @@ import torchvision
 
 from conftest import (EQUIV, FAST, PYTHON, REPO, Result, RunsCode, assert_bf16_follows_float32, environment,
                       free_port, launch_command, load_state, max_abs_diff, require_engine,
-                      resume_batchnorm_mid_epoch, run, signal_at)
+                      resume_batchnorm_mid_epoch, run, script_module, signal_at)
 
 sys.path.insert(0, str(REPO))
 import distributed  # noqa: E402  (the reference's state_digest)
+
+profile_split = script_module("tools/profile_split.py")
 
 SCRIPT = "deepspeed_distributed.py"
 # DeepSpeed on the same 2 processes as DDP: bitwise or 1.2e-7 measured (the docstring); a real error (a sum
@@ -208,12 +210,12 @@ def zero0(deepspeed_installed, tmp_path_factory):
     1 process: the output directory (shared by the nodes, as it must be), which holds a ZeRO 0 checkpoint
     of the end of the epoch."""
     out, hostfile = tmp_path_factory.mktemp("zero0"), tmp_path_factory.mktemp("hosts") / "hostfile"
-    r = interrupted(out, stage=0, launch=lambda args, env: ds_two_nodes(args, hostfile, env), extra=("--profile", "1:1"))
+    r = interrupted(out, stage=0, launch=lambda args, env: ds_two_nodes(args, hostfile, env), extra=("--profile", "2:2"))
     assert "world size 2, device cpu" in r.stdout and "launcher deepspeed" in r.stdout
-    # Profiled step 1: ZeRO 0 all-reduces the gradients after the backward, one bucket after the other,
+    # Profiled step 2: ZeRO 0 all-reduces the gradients after the backward, one bucket after the other,
     # with no computation beside them: a run whose communication cannot overlap, all of it exposed.
-    (p,) = [json.loads(line.partition(" ")[2]) for line in r.stdout.splitlines() if line.startswith("PROFILE ")]
-    assert p["rank"] == 0 and p["comm_overlapped"] == 0 and p["comm_exposed"] > 0, p  # (node 0 prints rank 0's)
+    p = profile_split.split_trace(out / "trace-rank0.json")
+    assert p["steps"] == 1 and p["comm_overlapped"] == 0 and p["comm_exposed"] > 0, p
     resumed(out, stage=0, nproc=1)
     return out
 

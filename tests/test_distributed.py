@@ -16,12 +16,14 @@ import torch
 import torch.nn as nn
 import torchvision
 
-from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, GLOO_THREAD, PYTHON, REPO, assert_same_checkpoints,
-                      bad_inputs, environment, fault_at, float64_weights, launch_command, load_state, make_data,
-                      max_abs_diff, resume_batchnorm_mid_epoch, resume_mid_epoch, run, stall_a_rank, trace_op)
+from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, PYTHON, REPO, assert_same_checkpoints, bad_inputs,
+                      environment, fault_at, float64_weights, launch_command, load_state, make_data, max_abs_diff,
+                      resume_batchnorm_mid_epoch, resume_mid_epoch, run, script_module, stall_a_rank)
 
 sys.path.insert(0, str(REPO))
 import distributed  # noqa: E402  (the script itself, for its pure helpers)
+
+profile_split = script_module("tools/profile_split.py")
 
 
 # ---- launching ----
@@ -181,14 +183,12 @@ def test_exact_evaluation_at_any_world_size(tiny_data, tmp_path):
 
 
 def profiles(r, out, nproc, steps):
-    """A --profile run's PROFILE lines, one per rank, after checking that each rank's trace parses, holds
-    the profiled steps, and that the split's parts are disjoint: none negative, summing to the step."""
-    records = sorted((json.loads(line.partition(" ")[2]) for line in r.stdout.splitlines()
-                      if line.startswith("PROFILE ")), key=lambda p: p["rank"])
-    assert [p["rank"] for p in records] == list(range(nproc)), r.stdout
-    for p in records:
-        events = json.loads((Path(out) / f"trace-rank{p['rank']}.json").read_text())["traceEvents"]
-        assert len([e for e in events if e.get("name", "").startswith("ProfilerStep#")]) == steps
+    """A --profile run's split (tools/profile_split.py), one record per rank, after checking that each rank's
+    trace parses and holds the profiled steps, and that the parts are disjoint: none negative, summing to the step."""
+    assert f"python tools/profile_split.py {out}" in r.stdout, r.stdout
+    records = [profile_split.split_trace(Path(out) / f"trace-rank{rank}.json") for rank in range(nproc)]
+    for rank, p in enumerate(records):
+        assert (p["rank"], p["device"], p["steps"]) == (rank, "cpu", steps), p
         parts = [p[k] for k in ("compute", "comm_exposed", "data_wait", "optimizer", "other")]
         assert min(parts + [p["comm_overlapped"]]) >= 0 and abs(sum(parts) - p["step"]) <= 0.01, p
         assert p["other"] < 0.5 * p["step"], p  # on the CPU, the ops cover the step but for gaps between them
@@ -198,8 +198,8 @@ def profiles(r, out, nproc, steps):
 def test_resume_is_bitwise(tiny_data, tmp_path):
     """At the epoch's end and, for resnet18's BatchNorm statistics too, in the middle of one."""
     args = ["--data", tiny_data, "-b", 32, "--warmup-epochs", 1, "--lr-step-size", 1] + FAST
-    # Profiled (steps 1 and 2, of epoch 0): the profiler only observes, the weights stay bitwise those of the split run.
-    straight = run(args + ["--epochs", 2, "--output-dir", tmp_path / "straight", "--profile", "1:2"], launcher="torchrun",
+    # Profiled (steps 2 and 3, of epoch 0): the profiler only observes, the weights stay bitwise those of the split run.
+    straight = run(args + ["--epochs", 2, "--output-dir", tmp_path / "straight", "--profile", "2:3"], launcher="torchrun",
             nproc=2).check()
     for p in profiles(straight, tmp_path / "straight", 2, 2):
         assert p["comm_exposed"] + p["comm_overlapped"] > 0, p  # DDP's all-reduces, on gloo's threads
@@ -421,9 +421,9 @@ def test_data_stall_is_reported(tmp_path):
     subprocess.run([PYTHON, REPO / "tools" / "make_imagenet_like.py", "--out", tmp_path / "d", "--train-count", "64",
                     "--val-count", "8", "--classes", "2"], check=True, capture_output=True)
     r = run(["--data", tmp_path / "d", "-a", "mobilenet_v3_small", "-b", 32, "--epochs", 1,
-             "--output-dir", tmp_path / "ckpt", "--profile", "1:2"] + FAST).check()
+             "--output-dir", tmp_path / "ckpt", "--profile", "2:2"] + FAST).check()
     # Profiled: one process has no communication at all, and the trace sees the loader's wait too.
-    (p,) = profiles(r, tmp_path / "ckpt", 1, 2)
+    (p,) = profiles(r, tmp_path / "ckpt", 1, 1)
     assert p["comm_exposed"] == p["comm_overlapped"] == 0 and p["data_wait"] > 0.2 * p["step"], p
     assert "=> communication: 0 bytes (0.0 MiB) sent by each rank per optimizer step (one process)" in r.stdout
     stalls = [line for line in r.stdout.splitlines() if line.startswith("=> data stall")]
@@ -471,20 +471,6 @@ def test_divergence_stops_at_the_next_progress_line(tiny_data, tmp_path):
     assert all(t.isfinite().all() for t in state.values() if t.is_floating_point())
 
 
-def test_step_split_of_a_known_timeline():
-    """step_split on a hand-made trace (microseconds): a 100 us step, data 0-10, compute 10-50 and 60-70,
-    a gloo all-reduce 40-65 (15 under compute, 10 exposed), the optimizer 80-95 with an op inside it."""
-    op = trace_op
-    events = [GLOO_THREAD, op("ProfilerStep#0", 0, 100, cat="user_annotation"),
-              op("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", 0, 10, cat="user_annotation"),
-              op("aten::copy_", 2, 8), op("aten::convolution", 10, 50), op("aten::mul", 20, 30), op("aten::add", 60, 70),
-              op("gloo:all_reduce", 40, 65, thread=2), op("Optimizer.step#SGD.step", 80, 95, cat="user_annotation"),
-              op("aten::_fused_sgd_", 82, 90)]
-    assert distributed.step_split(events) == {"step": 100, "compute": 50, "comm_exposed": 10, "comm_overlapped": 15,
-                                              "data_wait": 10, "optimizer": 15, "other": 15}
-    assert distributed.step_split([op("ProfilerStep#0", 0, 100, cat="user_annotation")])["other"] == 100
-
-
 # ---- bad input: one clear line, non-zero exit, no traceback ----
 
 BAD = ["missing data dir", "no data at all", "empty data dir", "val class missing", "empty class folder",
@@ -492,7 +478,8 @@ BAD = ["missing data dir", "no data at all", "empty data dir", "val class missin
        "one image per process", "sync-bn on cpu", "other arch checkpoint",
        "truncated checkpoint", "code in checkpoint", "no such checkpoint", "unwritable output dir",
        "train set below one batch", "corrupt train image", "decompression bomb image", "negative --save-every",
-       "mid-epoch checkpoint, other -b", "--profile not a range", "--profile past the run"]
+       "mid-epoch checkpoint, other -b", "--profile not a range", "--profile with no warm-up",
+       "--profile past the run"]
 
 
 @pytest.mark.parametrize("case", BAD)

@@ -1,5 +1,7 @@
 """statistics.sh on fixture logs, start.sh's command lines (--dry-run), gpu_check.sh's refusal without GPUs;
-README's computed table column, its snippets of the scripts, and the links of README and docs/."""
+profile_split.py and plot_profile.py on hand-made traces; README's computed table column, its snippets of the
+scripts, and the links of README and docs/."""
+import gzip
 import json
 import os
 import re
@@ -11,6 +13,7 @@ from xml.etree import ElementTree
 from conftest import GLOO_THREAD, PYTHON, REPO, script_module, trace_op
 
 readme_table = script_module("tools/readme_table.py")
+profile_split = script_module("tools/profile_split.py")
 
 
 def bash(*args):
@@ -53,14 +56,15 @@ def test_statistics_reads_the_metrics_log(tmp_path):
                 position = [fields["epoch"] + 1, 0] if kind == "SUMMARY" else None
                 f.write(json.dumps({"kind": kind, "position": position, "time": 0, **fields}) + "\n")
                 f.write(json.dumps({"kind": "train", "position": [0, 1], "time": 0, "loss": 1.0}) + "\n")
-    # A --profile run's lines, one per rank: the table's last column is the median of their exposed shares.
-    profiles = [f'PROFILE {{"rank": {rank}, "step": 200.0, "comm_exposed": {exposed}, "comm_overlapped": 1.0}}\n'
-                for rank, exposed in enumerate((30.0, 50.0))]
-    (logs / "ddp.log").write_text("".join(line for line in text if not line.startswith(("SUMMARY", "DONE")))
-                                  + "".join(profiles))
+    (logs / "ddp.log").write_text("".join(line for line in text if not line.startswith(("SUMMARY", "DONE"))))
+    # A --profile run's records (tools/profile_split.py's, one per rank): the table's last column is the median
+    # of their exposed shares.
+    (logs / "ddp.profile.jsonl").write_text("".join(
+        json.dumps({"rank": rank, "step": 200.0, "comm_exposed": exposed, "comm_overlapped": 1.0}) + "\n"
+        for rank, exposed in enumerate((30.0, 50.0))))
     # A run of 2 ranks whose trace holds no collective (Horovod's): no share, and a note saying why.
-    with open(logs / "deepspeed.log", "a") as f:
-        f.write('PROFILE {"rank": 0, "step": 200.0, "comm_exposed": 0.0, "comm_overlapped": 0.0}\n')
+    (logs / "deepspeed.profile.jsonl").write_text('{"rank": 0, "step": 200.0, "comm_exposed": 0.0, '
+                                                  '"comm_overlapped": 0.0}\n')
     r = bash("statistics.sh", logs)
     assert r.returncode == 0, r.stderr
     assert "| ddp | torchrun | 2 | cpu | 3 | 14.5 | 145.0 | 2.13 | 96.1 | 0.01 | 0.906 | 0.725 | 0.20 |" in r.stdout
@@ -75,8 +79,84 @@ def test_statistics_reports_missing_logs(tmp_path):
     assert r.returncode == 1 and "no usable logs" in r.stdout
 
 
+def test_step_split_of_a_known_cpu_timeline():
+    """A hand-made CPU trace (microseconds): a 100 us step, data 0-10, compute 10-50 and 60-70, a gloo
+    all-reduce 40-65 (15 under compute, 10 exposed), the optimizer 80-95 with an op inside it."""
+    op = trace_op
+    events = [GLOO_THREAD, op("ProfilerStep#0", 0, 100, cat="user_annotation"),
+              op("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", 0, 10, cat="user_annotation"),
+              op("aten::copy_", 2, 8), op("aten::convolution", 10, 50), op("aten::mul", 20, 30), op("aten::add", 60, 70),
+              op("gloo:all_reduce", 40, 65, thread=2), op("Optimizer.step#SGD.step", 80, 95, cat="user_annotation"),
+              op("aten::_fused_sgd_", 82, 90)]
+    assert profile_split.step_split(events) == ({"step": 100, "compute": 50, "comm_exposed": 10, "comm_overlapped": 15,
+                                                 "data_wait": 10, "optimizer": 15, "other": 15}, 1)
+    assert profile_split.step_split([op("ProfilerStep#0", 0, 100, cat="user_annotation")])[0]["other"] == 100
+
+
+def gpu_trace(correlated=True):
+    """A hand-made GPU trace of 2 steps (CPU 0-100, 100-200) whose GPU runs behind the CPU: step 1's
+    backward kernel (60-110) and NCCL all-reduce (90-130) still run while the CPU waits for step 2's batch
+    (100-160), and its GPU-side copy of ProfilerStep#2 (as torch.profiler writes one) runs to 260."""
+    def launch(at, correlation):  # the CPU's launch of GPU work: the link from a kernel to its step
+        return {**trace_op("cudaLaunchKernel", at, at + 2, cat="cuda_runtime"), "args": {"correlation": correlation}}
+
+    def gpu(name, start, end, correlation, cat="kernel", stream=7):
+        return {"ph": "X", "name": name, "cat": cat, "ts": start, "dur": end - start, "pid": 0, "tid": stream,
+                "args": {"correlation": correlation} if correlated else {}}
+    op, wait = trace_op, "enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__"
+    return [op("ProfilerStep#1", 0, 100, cat="user_annotation"), op("ProfilerStep#2", 100, 200, cat="user_annotation"),
+            gpu("ProfilerStep#1", 20, 60, None, cat="gpu_user_annotation"),
+            gpu("ProfilerStep#2", 170, 260, None, cat="gpu_user_annotation"),
+            op(wait, 0, 10, cat="user_annotation"), op(wait, 100, 160, cat="user_annotation"),
+            op("Optimizer.step#SGD.step", 30, 40, cat="user_annotation"),
+            op("Optimizer.step#SGD.step", 180, 190, cat="user_annotation"),
+            launch(12, 1), gpu("Memcpy HtoD (Pinned -> Device)", 20, 25, 1, cat="gpu_memcpy"),
+            launch(15, 2), gpu("void cudnn::conv_fwd", 25, 60, 2), launch(20, 3), gpu("void cudnn::conv_bwd", 60, 110, 3),
+            launch(25, 4), gpu("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 90, 130, 4, stream=9),
+            launch(32, 5), gpu("void multi_tensor_apply_kernel", 130, 140, 5),
+            launch(165, 6), gpu("Memcpy HtoD (Pinned -> Device)", 170, 175, 6, cat="gpu_memcpy"),
+            launch(170, 7), gpu("void cudnn::conv_fwd", 175, 190, 7),
+            launch(182, 8), gpu("void multi_tensor_apply_kernel", 190, 200, 8)]
+
+
+def test_step_split_of_a_known_gpu_timeline():
+    """On GPUs the steps are the GPU's: 20 (step 1's first copy) to 200 (step 2's last kernel), not the
+    CPU's 0-200 nor the GPU-side ProfilerStep copy's 260. The CPU's wait for step 2's batch (100-160)
+    counts as data wait only where no GPU work runs (140-160); NCCL 90-110 is under the backward, 110-130
+    exposed; the optimizer's kernels (launched inside optimizer.step) 130-140 and 190-200; the GPU idles
+    160-170 (other: the CPU launching step 2)."""
+    parts, steps = profile_split.step_split(gpu_trace())
+    assert steps == 2 and parts == {"step": 180, "compute": 110, "comm_exposed": 20, "comm_overlapped": 20,
+                                    "data_wait": 20, "optimizer": 20, "other": 10}
+    # A trace without the launch links (correlation ids): the CPU's steps, the GPU's work still the parts.
+    parts, _ = profile_split.step_split(gpu_trace(correlated=False))
+    assert parts["step"] == 200 and parts["data_wait"] == 30 and parts["optimizer"] == 0
+
+
+def test_profile_split_reads_a_run_folder(tmp_path):
+    """The command line: a folder of trace-rank<R>.json gives one row (or JSON record) per rank, in ms
+    per step (a gzipped trace too); a file that is not a trace, or a folder without any, is one error line."""
+    (tmp_path / "trace-rank0.json").write_text(json.dumps({"traceEvents": gpu_trace()}))
+    (tmp_path / "trace-rank1.json.gz").write_bytes(gzip.compress(json.dumps({"traceEvents": gpu_trace(),
+                                                                              "distributedInfo": {"rank": 1}}).encode()))
+    r = subprocess.run([PYTHON, REPO / "tools" / "profile_split.py", tmp_path, "--json"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    records = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [(p["rank"], p["device"], p["steps"], p["step"], p["data_wait"]) for p in records] == [
+        (0, "gpu", 2, 0.09, 0.01), (1, "gpu", 2, 0.09, 0.01)]
+    r = subprocess.run([PYTHON, REPO / "tools" / "profile_split.py", tmp_path / "trace-rank1.json.gz"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "| 1 | gpu | 2 | 0.09 | " in r.stdout, r.stdout
+    (tmp_path / "empty").mkdir()
+    for bad in (tmp_path / "empty", REPO / "README.md"):
+        r = subprocess.run([PYTHON, REPO / "tools" / "profile_split.py", bad], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 1 and r.stderr.startswith("error: ") and len(r.stderr.splitlines()) == 1, r.stderr
+
+
 def test_plot_profile_draws_each_part_of_a_trace(tmp_path):
-    """tools/plot_profile.py on a hand-made trace: one lane per part, with the shares step_split gives
+    """tools/plot_profile.py on a hand-made trace: one lane per part, with the shares profile_split gives
     (a 100 us step: data 10, compute 40, a gloo all-reduce 40-65 of which 10 exposed, optimizer 15)."""
     op = trace_op
     events = [GLOO_THREAD, op("ProfilerStep#0", 0, 100, cat="user_annotation"),

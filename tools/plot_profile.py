@@ -3,17 +3,14 @@
 
     python tools/plot_profile.py checkpoints/trace-rank0.json --out docs/profile-ddp.svg
 
-The lanes are the intervals step_split (distributed.py's shared helpers) counts: data wait, compute,
+The lanes are the intervals tools/profile_split.py counts: data wait, compute,
 communication overlapped with compute, exposed communication, optimizer; gray lines mark the step
 boundaries. Plain SVG written by hand: no plotting library needed.
 """
 import argparse
-import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from distributed import step_split  # noqa: E402  (the trainers' own arithmetic, not a copy of it)
+from profile_split import read_trace, step_split  # beside this file: the split start.sh reports, not a copy
 
 LANES = [("data_wait", "data wait", "#8c6bb1"), ("compute", "compute", "#4c9be8"),
          ("comm_overlapped", "communication, overlapped", "#9fd39f"),
@@ -32,12 +29,11 @@ def drawn(intervals, pixel):
     return merged
 
 
-def svg(parts, intervals, title):
+def svg(parts, steps, intervals, title):
     start, end = intervals["step"][0][0], intervals["step"][-1][1]
     scale = (WIDTH - LEFT - 20) / (end - start)
     x = lambda t: LEFT + (t - start) * scale  # noqa: E731
     height = TOP + LANE * len(LANES) + 50
-    steps = len(intervals["step"])
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" font-family="sans-serif" '
            'font-size="12">', f'<rect width="{WIDTH}" height="{height}" fill="white"/>',
            f'<text x="10" y="20" font-size="14">{title}: {steps} steps, {(end - start) / 1000 / steps:.1f} ms '
@@ -49,7 +45,7 @@ def svg(parts, intervals, title):
         out += [f'<rect x="{x(a):.1f}" y="{y + 3}" width="{max((b - a) * scale, 0.5):.1f}" height="{LANE - 6}" '
                 f'fill="{color}"/>' for a, b in drawn(intervals[key], 1 / scale)]
     bottom = TOP + LANE * len(LANES)
-    for a, _ in intervals["step"][1:]:
+    for a, _ in intervals["steps"][1:]:
         out.append(f'<line x1="{x(a):.2f}" y1="{TOP}" x2="{x(a):.2f}" y2="{bottom}" stroke="#888" '
                    'stroke-dasharray="3,3"/>')
     out.append(f'<text x="{LEFT}" y="{bottom + 20}">0 ms</text>')
@@ -65,14 +61,11 @@ def main():
     parser.add_argument("--out", type=Path, required=True, help="the SVG to write")
     parser.add_argument("--title", default=None, help="default: the trace's file name")
     args = parser.parse_args()
-    try:
-        events = json.loads(args.trace.read_text())["traceEvents"]
-    except (OSError, ValueError, KeyError) as e:
-        sys.exit(f"error: cannot read a Chrome trace from '{args.trace}' ({e}): pass a trace-rank<R>.json of --profile")
-    parts, intervals = step_split(events, with_intervals=True)
+    events, _ = read_trace(args.trace)
+    parts, steps, intervals = step_split(events, with_intervals=True)
     if not intervals["step"]:
-        sys.exit(f"error: '{args.trace}' has no ProfilerStep events: pass a trace written by the trainers' --profile")
-    args.out.write_text(svg(parts, intervals, args.title or args.trace.name))
+        raise SystemExit(f"error: '{args.trace}' has no ProfilerStep events: pass a trace written by --profile")
+    args.out.write_text(svg(parts, steps, intervals, args.title or args.trace.name))
     print(f"wrote {args.out}")
 
 
