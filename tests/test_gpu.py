@@ -10,14 +10,13 @@ process. Tests that need 2 GPUs (DataParallel, SyncBatchNorm, Horovod's NCCL), a
 built with NCCL or a running Slurm cluster say so when they skip. The CPU suite runs the same
 scripts with no GPU visible (conftest.py hides them). scripts/gpu_check.sh runs this file.
 """
-import json
 import subprocess
 
 import pytest
 
 from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, GPU_ENV, OVERFLOW_AT_STEP_1, PYTHON, REPO,
                       assert_bf16_follows_float32, check_first_step_skipped, environment, float64_weights,
-                      load_state, max_abs_diff, resume_mid_epoch, run)
+                      load_state, max_abs_diff, resume_mid_epoch, run, script_module)
 
 
 def probe(code):
@@ -115,13 +114,14 @@ def test_loader_workers_feed_the_gpu_the_same_batches(tiny_data, tmp_path):
 
 
 def test_profile_records_the_gpu_kernels(tiny_data, tmp_path):
-    """--profile on a GPU: the trace holds the CUDA kernels (compute) and the split accounts for every step."""
-    r = gpu_run(["--data", tiny_data, "-b", 32, "--epochs", 1, "--output-dir", tmp_path, "--profile", "2:3"] + FAST,
-                nproc=1).check()
-    events = json.load(open(tmp_path / "trace-rank0.json"))["traceEvents"]
-    assert any(e.get("cat") == "kernel" for e in events)
-    (line,) = [json.loads(l.split(" ", 1)[1]) for l in r.stdout.splitlines() if l.startswith("PROFILE ")]
-    assert line["compute"] > 0 and all(line[k] >= 0 for k in ("data_wait", "optimizer", "comm_exposed"))
+    """--profile on a GPU: the trace holds the CUDA kernels, and tools/profile_split.py splits its steps on
+    the GPU's side into disjoint parts that add up to the step."""
+    gpu_run(["--data", tiny_data, "-b", 32, "--epochs", 1, "--output-dir", tmp_path, "--profile", "2:3"] + FAST,
+            nproc=1).check()
+    p = script_module("tools/profile_split.py").split_trace(tmp_path / "trace-rank0.json")
+    parts = [p[k] for k in ("compute", "comm_exposed", "data_wait", "optimizer", "other")]
+    assert p["device"] == "gpu" and p["steps"] == 2 and p["compute"] > 0, p
+    assert min(parts + [p["comm_overlapped"]]) >= 0 and abs(sum(parts) - p["step"]) <= 0.01, p
 
 
 @pytest.mark.parametrize("script", ["distributed.py", "apex_distributed.py", "fsdp_distributed.py",
