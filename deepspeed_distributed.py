@@ -72,6 +72,8 @@ def setup_distributed(args):
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_size = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 1))  # DeepSpeed's launcher: LOCAL_SIZE
     device = pick_device(args, int(os.environ.get("LOCAL_RANK", 0)), int(local_size))
+    if device.type == "cuda" and int(local_size) > torch.cuda.device_count():  # it sets GPU LOCAL_RANK (engine.py)
+        raise UsageError("DeepSpeed uses GPU LOCAL_RANK: its processes cannot share a GPU, even over gloo")
     if args.sync_bn and device.type != "cuda":
         raise UsageError("--sync-bn needs CUDA: SyncBatchNorm works only with CUDA modules (drop --sync-bn on CPU)")
     check_batch(args, world_size, sync_bn=args.sync_bn and world_size > 1)  # one process: plain BatchNorm

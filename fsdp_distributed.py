@@ -177,7 +177,10 @@ def save_sharded(model, optimizer, args, trainer_state):
     # Tensors every rank holds whole (BatchNorm's running statistics: fully_shard leaves buffers alone) are
     # written once: by default from whichever rank has written least so far, rank 1's statistics for some.
     # Rank 0's, as validate broadcasts them: a resumed run then ends with the uninterrupted one's.
-    dcp.save({"model": get_model_state_dict(model), "optimizer": optimizer_state["state"]}, checkpoint_id=tmp,
+    # --cpu beside GPUs: DCP's writer stages through a CUDA stream wherever CUDA is available, which starts
+    # CUDA (filesystem.py, _OverlappingCpuLoader); with no copy-ahead it takes its plain CPU loader.
+    writer = dcp.FileSystemWriter(tmp, per_thread_copy_ahead=0 if args.cpu else 10_000_000)
+    dcp.save({"model": get_model_state_dict(model), "optimizer": optimizer_state["state"]}, storage_writer=writer,
              planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
     if RANK == 0:  # dcp.save returns once every rank's shards and rank 0's metadata are written
         with open(os.path.join(tmp, TRAINER_STATE), "wb") as f:

@@ -414,7 +414,7 @@ def pytest_runtest_logreport(report):
     """scripts/gpu_check.py's live record: each test's outcome appended to $GPU_CHECK_RESULTS as it ends
     (under pytest-xdist, in the controller), so a check cut short keeps the rows it had."""
     path = os.environ.get("GPU_CHECK_RESULTS")
-    if path and (report.when == "call" or report.outcome != "passed"):
+    if path and "PYTEST_XDIST_WORKER" not in os.environ and (report.when == "call" or report.outcome != "passed"):
         reason = report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple) else (
             str(report.longrepr).strip().splitlines()[-1] if report.failed and report.longrepr else "")
         with open(path, "a") as f:
