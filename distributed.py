@@ -212,11 +212,10 @@ def validate(loader, model, device):
 
 
 def finish(model, best_acc1=None):
-    """Report every rank's digest of the final model, then leave the process group cleanly."""
+    """Report every rank's digest of the final model (run then leaves the process group)."""
     digests = all_gather_objects(state_digest(model))
     summary("DONE", method=METHOD, state_sha256=digests, ranks_identical=len(set(digests)) == 1,
             **({} if best_acc1 is None else {"best_acc1": best_acc1}))
-    leave_process_group()
 
 
 def leave_process_group():
@@ -381,6 +380,10 @@ def run(main_worker, args):
         # a cyclic garbage collection. Left to the one at interpreter exit, their freeing (and that of the
         # gloo work they hold) can abort the process (seen once in CI): free them now, while it is whole.
         gc.collect()
+        # Then leave: the group's last reference, dropped here, destroys it without the GIL. Dropped by DDP's
+        # reducer at main_worker's return, it held the GIL while joining gloo's threads, one of which needed it
+        # to free a collective's tensors: a hang (torch 2.11, --profile: every run here).
+        leave_process_group()
     except UsageError as e:
         report(e)
         sys.exit(2)
