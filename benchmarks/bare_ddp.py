@@ -63,9 +63,10 @@ def main():
     model = model.to(memory_format=memory_format)
     dtype = getattr(torch, args.amp_dtype)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    if not args.no_communication:
+    if world > 1 and not args.no_communication:  # as the trainers: no DDP wrapper for one process
         model = DDP(model)
-    optimizer = torch.optim.SGD(model.parameters(), 0.1 * args.batch_size / 256, momentum=0.9, weight_decay=1e-4)
+    optimizer = torch.optim.SGD(model.parameters(), 0.1 * args.batch_size / 256, momentum=0.9, weight_decay=1e-4,
+                                fused=True)  # the trainers' optimizer
     criterion = torch.nn.CrossEntropyLoss()
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)

@@ -201,7 +201,8 @@ def main():
     parser.add_argument("--suite-timeout", type=int, default=330, help="seconds before the suite is cut short")
     parser.add_argument("--batch", type=int, default=128, help="benchmark: images per step")
     parser.add_argument("--steps", type=int, default=20, help="benchmark: steps per epoch")
-    parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="benchmark: loader workers")
+    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1) - 2),
+                        help="benchmark: loader workers (8 left the trainers waiting for batches on an H100)")
     parser.add_argument("--bench-timeout", type=int, default=240, help="seconds before a benchmark run is stopped")
     parser.add_argument("--command", default="python scripts/gpu_check.py", help=argparse.SUPPRESS)
     args = parser.parse_args()

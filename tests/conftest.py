@@ -415,8 +415,9 @@ def pytest_runtest_logreport(report):
     (under pytest-xdist, in the controller), so a check cut short keeps the rows it had."""
     path = os.environ.get("GPU_CHECK_RESULTS")
     if path and "PYTEST_XDIST_WORKER" not in os.environ and (report.when == "call" or report.outcome != "passed"):
-        reason = report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple) else (
-            str(report.longrepr).strip().splitlines()[-1] if report.failed and report.longrepr else "")
+        crash = getattr(report.longrepr, "reprcrash", None)  # a failure's first line: "AssertionError: exit 1"
+        reason = (report.longrepr[2].removeprefix("Skipped: ") if report.skipped and isinstance(report.longrepr, tuple)
+                  else crash.message.splitlines()[0][:200] if report.failed and crash else "")
         with open(path, "a") as f:
             f.write(json.dumps({"test": report.nodeid.split("::", 1)[-1], "outcome": report.outcome,
                                 "seconds": round(report.duration, 1), "reason": reason}) + "\n")
