@@ -9,7 +9,6 @@ One process per GPU with CUDA + NCCL (without GPUs: CPU + gloo); the launcher st
 Every script of the cookbook is distributed.py plus its method's lines: `diff distributed.py X.py`.
 """
 import argparse
-import atexit
 import contextlib
 import difflib
 import fcntl
@@ -562,8 +561,10 @@ def stop_on_signals():
     for signum in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, lambda received, frame: STOP_SIGNALS.append(received))
     # The DataLoader workers ignore them (ignore_stop_signals), so multiprocessing's exit, which ends
-    # leftover workers by SIGTERM and then waits for them, would wait for ever: kill them first.
-    atexit.register(lambda: [child.kill() for child in multiprocessing.active_children()])
+    # leftover workers by SIGTERM and then waits for them, would wait for ever: kill them first. A
+    # finalizer, not atexit: a process mp.spawn started ends through multiprocessing's exit alone.
+    multiprocessing.util.Finalize(None, lambda: [child.kill() for child in multiprocessing.active_children()],
+                                  exitpriority=0)
 
 
 def ignore_stop_signals(worker_id):
