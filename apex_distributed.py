@@ -739,8 +739,12 @@ def write_metrics(kind, position, **fields):
     if "fd" not in METRICS:
         return
     METRICS["position"] = position
-    os.write(METRICS["fd"], (json.dumps({"kind": kind, "position": position, "time": round(time.time(), 3),
-                                         **fields}) + "\n").encode())
+    try:
+        os.write(METRICS["fd"], (json.dumps({"kind": kind, "position": position, "time": round(time.time(), 3),
+                                             **fields}) + "\n").encode())
+    except OSError as e:  # a full disk or quota: one line, from rank 0, which writes it
+        raise UsageError(f"cannot write metrics.jsonl in --output-dir: {e.strerror} (free space there; "
+                         "checkpoints already there are intact)") from None
     if "writer" in METRICS:
         global_step = position[0] * METRICS["steps_per_epoch"] + position[1]
         for key, value in fields.items():
