@@ -179,8 +179,16 @@ def save_sharded(model, optimizer, args, trainer_state):
     # --cpu beside GPUs: DCP's writer stages through a CUDA stream wherever CUDA is available, which starts
     # CUDA (filesystem.py, _OverlappingCpuLoader); with no copy-ahead it takes its plain CPU loader.
     writer = dcp.FileSystemWriter(tmp, per_thread_copy_ahead=0 if args.cpu else 10_000_000)
-    dcp.save({"model": get_model_state_dict(model), "optimizer": optimizer_state["state"]}, storage_writer=writer,
-             planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+    try:
+        dcp.save({"model": get_model_state_dict(model), "optimizer": optimizer_state["state"]}, storage_writer=writer,
+                 planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+    except dcp.CheckpointException as e:  # raised on every rank, with each failed rank's exception: one line
+        if RANK == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        failed, (first, _) = sorted(e.failures), next(iter(e.failures.values()))
+        raise UsageError(f"cannot write a checkpoint in '{args.output_dir}': rank(s) {', '.join(map(str, failed))} "
+                         f"failed ({str(first).strip().splitlines()[0]}): a full disk? Free space there or pass "
+                         "another --output-dir; checkpoints already there are intact") from None
     if RANK == 0:  # dcp.save returns once every rank's shards and rank 0's metadata are written
         with open(os.path.join(tmp, TRAINER_STATE), "wb") as f:
             torch.save(dict(trainer_state, param_groups=optimizer_state["param_groups"]), f)
