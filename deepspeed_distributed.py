@@ -242,7 +242,14 @@ def main_worker(args):
         state = {"epoch": epoch, "step": step, "arch": args.arch, "scheduler": scheduler.state_dict(),
                  "best_acc1": best_acc1, "world_size": world_size, "rng": rngs, "args": vars(args)}
         tag = f"ds-epoch{epoch}" + (f"-step{step}" if step else "")
-        parallel_model.save_checkpoint(args.output_dir, tag, client_state=state)  # every rank writes its shards
+        try:
+            parallel_model.save_checkpoint(args.output_dir, tag, client_state=state)  # every rank writes its shards
+        except (OSError, RuntimeError) as e:  # torch.save's writer on a full disk: only that a write failed
+            if isinstance(e, RuntimeError) and "inline_container.cc" not in str(e):
+                raise
+            raise LocalError(f"cannot write a checkpoint in '{args.output_dir}' on rank {rank} "
+                             f"({str(e).splitlines()[0]}): a full disk? Free space there or pass another --output-dir; the sealed checkpoints "
+                             "already there are intact") from None
         if rank == 0:  # it returns once every rank's files are written
             seal(os.path.join(args.output_dir, tag), args.keep_checkpoints)
         if step:

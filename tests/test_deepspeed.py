@@ -52,8 +52,8 @@ def deepspeed_installed():
 def ds(args, launcher="torchrun", nproc=2, env=None, script=SCRIPT):
     """Run a trainer as its users start it. Ranks that disagree on a collective wait for each other
     until --dist-timeout: fail in 3 minutes, not 30."""
-    proc = subprocess.run(launch_command(script, launcher, nproc) + [str(a) for a in args], cwd=REPO, env=environment(env), capture_output=True,
-                          text=True, timeout=180)
+    proc = subprocess.run(launch_command(script, launcher, nproc) + [str(a) for a in args], cwd=REPO,
+                          env=environment(env), capture_output=True, text=True, timeout=180)
     return Result.parse(proc.returncode, proc.stdout, proc.stderr)
 
 
