@@ -10,7 +10,6 @@ DDP (one Python process, and the first GPU does all the gathering). Without GPUs
 Every script of the cookbook is distributed.py plus its method's lines: `diff distributed.py X.py`.
 """
 import argparse
-import atexit
 import contextlib
 import difflib
 import fcntl
@@ -371,6 +370,13 @@ def join_process_group(device, args, port_hint, **kwargs):
                          f"{port_hint}") from None
 
 
+# What a collective raises where a peer process has exited (crashed, killed, or stopped on its error):
+# gloo's closed or reset connection (tcp/pair.cc), NCCL's remote error or aborted communicator, Horovod's
+# shutdown. Matched narrowly: any other RuntimeError is a bug, shown with its traceback.
+PEER_EXITED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ncclRemoteError",
+               "NCCL communicator was aborted", "Horovod has been shut down")
+
+
 # @record: under torchrun, an uncaught exception's traceback goes into torchrun's failure summary,
 # which otherwise only says "To enable traceback see ...".
 @record
@@ -395,6 +401,10 @@ def run(main_worker, args):
         leave_process_group()  # no rank leaves before rank 0 has written the checkpoint
         sys.exit(143)  # 128 + SIGTERM, as if the signal had ended the process: not a success, so it is requeued
     except RuntimeError as e:
+        if any(words in str(e) for words in PEER_EXITED):  # the peer's own line, or its launcher, says why
+            print(f"rank {RANK} stopped: another rank exited (its own message, or the launcher's report, says why)",
+                  file=sys.stderr, flush=True)
+            sys.exit(1)
         # gloo's words for a timed-out collective: on the one that waited, or on a later one that
         # found its connections closed by the timeout. NCCL's aborts the process instead (docs/operations.md).
         if not (dist.is_initialized() and ("Timed out waiting" in str(e) or "Application timeout" in str(e))):
@@ -456,8 +466,10 @@ def stop_on_signals():
     for signum in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, lambda received, frame: STOP_SIGNALS.append(received))
     # The DataLoader workers ignore them (ignore_stop_signals), so multiprocessing's exit, which ends
-    # leftover workers by SIGTERM and then waits for them, would wait for ever: kill them first.
-    atexit.register(lambda: [child.kill() for child in multiprocessing.active_children()])
+    # leftover workers by SIGTERM and then waits for them, would wait for ever: kill them first. A
+    # finalizer, not atexit: a process mp.spawn started ends through multiprocessing's exit alone.
+    multiprocessing.util.Finalize(None, lambda: [child.kill() for child in multiprocessing.active_children()],
+                                  exitpriority=0)
 
 
 def ignore_stop_signals(worker_id):
@@ -566,8 +578,10 @@ def claim_output_dir(args):
         os.makedirs(args.output_dir, exist_ok=True)
         tempfile.TemporaryFile(dir=args.output_dir).close()
         OUTPUT_LOCK.append(open(os.path.join(args.output_dir, ".lock"), "a"))
+        open(os.path.join(args.output_dir, "metrics.jsonl"), "a").close()  # open_metrics writes it after set-up
     except OSError as e:
-        raise UsageError(f"cannot write checkpoints to --output-dir '{args.output_dir}': {e.strerror}") from None
+        raise UsageError(f"cannot write checkpoints to --output-dir '{args.output_dir}': {e.strerror}"
+                         + (f" ('{e.filename}')" if e.filename else "")) from None
     try:
         # flock: the kernel drops it when the process ends, however it ends (crash, SIGKILL, a
         # torchrun restart), so no stale lock outlives a run, unlike a lock file's mere presence.
@@ -672,8 +686,12 @@ def write_metrics(kind, position, **fields):
     if "fd" not in METRICS:
         return
     METRICS["position"] = position
-    os.write(METRICS["fd"], (json.dumps({"kind": kind, "position": position, "time": round(time.time(), 3),
-                                         **fields}) + "\n").encode())
+    try:
+        os.write(METRICS["fd"], (json.dumps({"kind": kind, "position": position, "time": round(time.time(), 3),
+                                             **fields}) + "\n").encode())
+    except OSError as e:  # a full disk or quota: one line, from rank 0, which writes it
+        raise UsageError(f"cannot write metrics.jsonl in --output-dir: {e.strerror} (free space there; "
+                         "checkpoints already there are intact)") from None
     if "writer" in METRICS:
         global_step = position[0] * METRICS["steps_per_epoch"] + position[1]
         for key, value in fields.items():
@@ -1043,15 +1061,18 @@ class DaliLoader:
             path, label = self.samples[index]
             columns[0].append(numpy.fromfile(path, dtype=numpy.uint8))
             columns[1].append(numpy.array(label))
+            try:
+                # Image.open reads the header, not the pixels: load_image's checks (a format PIL reads, not a
+                # decompression bomb), train and val; the sampler's epoch, this pass's.
+                with Image.open(path) as image:
+                    if self.seeded:
+                        crop, flip = self.transforms[0], self.transforms[1]
+                        with self.seeded.seeded(self.batches.sampler.epoch, index):
+                            top, left, height, width = crop.get_params(image, crop.scale, crop.ratio)
+                            mirror = torch.rand(1) < flip.p
+            except UNREADABLE_IMAGE as e:
+                raise LocalError(f"cannot read image '{path}' ({e}): replace or delete the file") from None
             if self.seeded:
-                crop, flip = self.transforms[0], self.transforms[1]
-                try:
-                    # Image.open reads the header, not the pixels; the sampler's epoch, this pass's.
-                    with Image.open(path) as image, self.seeded.seeded(self.batches.sampler.epoch, index):
-                        top, left, height, width = crop.get_params(image, crop.scale, crop.ratio)
-                        mirror = torch.rand(1) < flip.p
-                except UNREADABLE_IMAGE as e:
-                    raise LocalError(f"cannot read image '{path}' ({e}): replace or delete the file") from None
                 columns[2].append(numpy.array([left, top], dtype=numpy.int32))  # DALI's order: x, y
                 columns[3].append(numpy.array([width, height], dtype=numpy.int32))
                 columns[4].append(numpy.array(mirror.item(), dtype=numpy.int32))
@@ -1085,19 +1106,27 @@ class DaliLoader:
 
     def __iter__(self):
         batches = iter(self.batches)  # this epoch's: the sampler's set_epoch came first
+        pending = []  # the batches read and not yet delivered, oldest first
+
+        def source():
+            pending.append(next(batches))
+            return self.read(pending[-1])
         # A pipeline per pass: DALI calls read() as it schedules batches ahead (prefetching), and the
         # source's StopIteration ends the pass after the last one.
-        pipe = self.pipeline(lambda: self.read(next(batches)))
+        pipe = self.pipeline(source)
         pipe.build()
         while True:
             try:
                 images, labels = pipe.run()
+                pending.pop(0)
             except StopIteration:
                 return
-            except RuntimeError as e:  # DALI's multi-line report, which names the operator but not the file
+            except RuntimeError as e:  # DALI's report names the operator, not the file: PIL's decode does
+                for index in itertools.chain(*pending):
+                    load_image(self.samples[index][0])
                 where = next((line for line in str(e).splitlines() if "operator" in line), "").rstrip(",")
-                raise LocalError(f"DALI cannot decode an image of this rank's next batches ({where}): a corrupt "
-                                 "or unsupported file? --data-backend torch names it") from None
+                raise LocalError(f"DALI cannot decode an image of this rank's next batches ({where}), though PIL "
+                                 "decodes each: an unsupported file?") from None
             # Zero-copy, as DALI's own DALIGenericIterator does with its default dynamic executor: the outputs
             # stay alive while torch holds them, and from_dlpack makes DALI's GPU work ready on torch's stream.
             # The labels are copied out of DALI's host buffer, which it may reuse before to_device's

@@ -52,15 +52,8 @@ def deepspeed_installed():
 def ds(args, launcher="torchrun", nproc=2, env=None, script=SCRIPT):
     """Run a trainer as its users start it. Ranks that disagree on a collective wait for each other
     until --dist-timeout: fail in 3 minutes, not 30."""
-    if launcher == "deepspeed":
-        # DeepSpeed's launcher sets CUDA_VISIBLE_DEVICES=0,...,N-1 itself, GPUs or not: --cpu keeps the
-        # suite on the CPU path wherever it runs. --master_port: its default is a fixed 29500.
-        command = [str(Path(PYTHON).parent / "deepspeed"), f"--num_gpus={nproc}", f"--master_port={free_port()}",
-                   str(REPO / script), "--cpu"]
-    else:
-        command = launch_command(script, launcher, nproc)
-    proc = subprocess.run(command + [str(a) for a in args], cwd=REPO, env=environment(env), capture_output=True,
-                          text=True, timeout=180)
+    proc = subprocess.run(launch_command(script, launcher, nproc) + [str(a) for a in args], cwd=REPO,
+                          env=environment(env), capture_output=True, text=True, timeout=180)
     return Result.parse(proc.returncode, proc.stdout, proc.stderr)
 
 

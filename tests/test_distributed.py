@@ -18,7 +18,8 @@ import torchvision
 
 from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, PYTHON, REPO, assert_same_checkpoints, bad_inputs,
                       environment, fault_at, float64_weights, launch_command, load_state, make_data, max_abs_diff,
-                      resume_batchnorm_mid_epoch, resume_mid_epoch, run, script_module, stall_a_rank)
+                      png_header, require_engine, resume_batchnorm_mid_epoch, resume_mid_epoch, run, script_module,
+                      stall_a_rank)
 
 sys.path.insert(0, str(REPO))
 import distributed  # noqa: E402  (the script itself, for its pure helpers)
@@ -477,7 +478,7 @@ BAD = ["missing data dir", "no data at all", "empty data dir", "val class missin
        "symlink loop", "unknown arch", "image too small for the arch", "batch below world size",
        "one image per process", "sync-bn on cpu", "other arch checkpoint",
        "truncated checkpoint", "code in checkpoint", "no such checkpoint", "unwritable output dir",
-       "train set below one batch", "corrupt train image", "decompression bomb image", "negative --save-every",
+       "metrics.jsonl a directory", "train set below one batch", "negative --save-every",
        "mid-epoch checkpoint, other -b", "--profile not a range", "--profile with no warm-up",
        "--profile past the run"]
 
@@ -496,6 +497,58 @@ def test_bad_input(case, tiny_data, checkpoint, tmp_path):
     assert not (tmp_path / "code-ran").exists(), "loading a checkpoint ran pickled code"
     assert checkpoint.read_bytes() == checkpoint_before
     assert not list(out.glob("*.pth")) and not list(out.glob(".*.tmp"))
+
+
+# (launcher, the rank that meets the bad image): (its script, split, image, loader, extra flags). Every
+# ending, rank 0 failing (the store host, without torchrun) and rank 1; each backend's check of each split.
+BAD_IMAGE = {
+    ("torchrun", 0): ("distributed.py", "train", "bomb", "torch", []),
+    ("torchrun", 1): ("distributed.py", "train", "truncated", "dali", []),  # DALI fails to decode; PIL names it
+    ("spawn", 0): ("multiprocessing_distributed.py", "val", "bomb", "dali", ["-e"]),
+    ("spawn", 1): ("multiprocessing_distributed.py", "val", "truncated", "torch", ["-e", "-j", 1]),  # in a worker
+    ("horovodrun", 0): ("horovod_distributed.py", "train", "bomb", "torch", []),
+    ("horovodrun", 1): ("horovod_distributed.py", "train", "bomb", "torch", []),
+    ("deepspeed", 0): ("deepspeed_distributed.py", "train", "bomb", "torch", []),
+    ("deepspeed", 1): ("deepspeed_distributed.py", "train", "bomb", "torch", []),
+}
+
+ENGINES = {"horovodrun": ("horovod.torch", "bash scripts/install_horovod.sh"),
+           "deepspeed": ("deepspeed", "bash scripts/install.sh --tests", {"DS_ACCELERATOR": "cpu"}),
+           "dali": ("nvidia.dali", "bash scripts/install.sh --tests")}
+
+
+@pytest.mark.parametrize("launcher,rank", BAD_IMAGE)
+def test_a_bad_image_is_one_error_line_from_the_rank_that_reads_it(launcher, rank, tiny_data, tmp_path):
+    """An image only `rank` reads, in its first batch: it prints the one error line, naming the file, and
+    the rank it stopped at most a line that is no error line (the peer's own says why); no rank prints a
+    traceback, whatever the launcher (torchrun and horovodrun add a report and a traceback of their own)."""
+    script, split, kind, backend, flags = BAD_IMAGE[launcher, rank]
+    for engine in (launcher, backend):
+        if engine in ENGINES:
+            require_engine(*ENGINES[engine])
+    data = shutil.copytree(tiny_data, tmp_path / "data")
+    images = [path for path, _ in torchvision.datasets.ImageFolder(data / split).samples]
+    if split == "train":  # the first image of the rank's share of epoch 0, as the scripts shuffle with --seed 0
+        sampler = distributed.ResumableSampler(images, 2, rank, seed=0, drop_last=True)
+        sampler.set_epoch(0)
+        bad = images[next(iter(sampler))]
+    else:  # val batches of 8 dealt out in turn: the rank's first
+        bad = images[8 * rank]
+    if kind == "bomb":  # 45 bytes whose header claims 1.6 G pixels: PIL refuses it (DecompressionBombError)
+        Path(bad).write_bytes(png_header(40000, 40000))
+        reason = "Image size (1600000000 pixels) exceeds limit"
+    else:  # a PNG cut short: its header reads, its pixels not
+        Path(bad).write_bytes(Path(bad).read_bytes()[:100])
+        reason = "image file is truncated"
+    r = run(["--data", data, "-b", 32, "--epochs", 1, "--val-batch-size", 8, "--data-backend", backend,
+             "--output-dir", tmp_path / "out"] + FAST + flags, launcher, 2, script)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode != 0 and len(errors) == 1, r.stderr
+    assert errors[0].startswith(f"error: cannot read image '{bad}' ({reason}"), errors[0]
+    assert len(re.findall("stopped: another rank exited", r.stderr)) <= 1, r.stderr
+    assert f'{script}", line' not in r.stdout + r.stderr, r.stderr  # no frame of the script, in any report
+    launchers_own = re.findall(r"Traceback \(most recent call last\):\n(.*)", r.stdout + r.stderr)
+    assert all(f"bin/{launcher}\"" in line for line in launchers_own), r.stderr
 
 
 def test_an_error_every_rank_meets_is_printed_by_rank_0_and_the_others_wait_for_it():
