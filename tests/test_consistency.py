@@ -5,6 +5,7 @@ copy); this test is what keeps the copies from drifting apart.
 """
 import ast
 import difflib
+import re
 
 import pytest
 
@@ -29,6 +30,10 @@ SHARED_HELPERS = ["UsageError", "LocalError", "report", "log", "ArgumentParser",
                   "report_data_stall", "open_metrics", "write_metrics", "record_interval", "start_profile",
                   "profile_step", "Stopped", "run", "stalled_ranks", "supervise", "stop_on_signals",
                   "ignore_stop_signals", "state_digest"]
+# The block's sections, each opened by a one-line banner `# ---- NAME: what it holds ----`, in the order
+# main_worker meets them: a reader looking for a helper finds its section from the banners alone.
+SECTIONS = ["flags and errors", "set-up", "data", "the training loop's bookkeeping", "checkpoints",
+            "metrics and profiling", "exit"]
 
 
 def shared_block(path):
@@ -56,6 +61,17 @@ def test_reference_block_holds_the_shared_helpers():
     tree = ast.parse("".join(shared_block(REPO / REFERENCE)))
     defined = [node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
     assert sorted(defined) == sorted(SHARED_HELPERS)
+
+
+@pytest.mark.parametrize("script", [REFERENCE] + SCRIPTS)
+def test_block_is_in_sections(script):
+    block = shared_block(REPO / script)[1:-1]
+    banners = [i for i, line in enumerate(block) if line.startswith("# ----")]
+    malformed = [block[i] for i in banners if not re.fullmatch(r"# ---- [^:]+: \S.* ----\n", block[i])]
+    assert not malformed, f"{script}: a section banner is one line `# ---- NAME: what it holds ----`: {malformed}"
+    assert [block[i][len("# ---- "):block[i].index(":")] for i in banners] == SECTIONS
+    first = ast.parse("".join(block)).body[0]
+    assert banners and banners[0] < first.lineno - 1, f"{script}: helpers before the first section banner"
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
