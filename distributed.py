@@ -490,8 +490,7 @@ def check_finite(tensors, epoch, step, lr):
 
 
 def pick_device(args, local_rank, local_world_size):
-    """GPU `local_rank` of this node where torch sees GPUs (torch.accelerator: CUDA for this build),
-    else the CPU; --cpu forces the CPU."""
+    """GPU `local_rank` of this node where torch sees GPUs (torch.accelerator), else (or with --cpu) the CPU."""
     accelerator = None if args.cpu else torch.accelerator.current_accelerator(check_available=True)
     if accelerator is None:
         if not args.cpu:
@@ -603,9 +602,8 @@ DATA_STALL_SHARE = 0.2
 
 
 def common_seed(checkpoint, args):
-    """The seed every rank shuffles with, or their shares would not partition the data: rank 0's
-    (--seed's or drawn), and a resumed run's is the checkpoint's, so that its epoch's order is the
-    interrupted one. Collective."""
+    """The seed every rank shuffles with, or their shares would not partition the data (collective): rank 0's
+    (--seed's or drawn), or a resumed run's checkpoint's, so that its epoch's order is the interrupted one."""
     return checkpoint["args"]["seed"] if checkpoint else all_gather_objects(
         int.from_bytes(os.urandom(4), "little") if args.seed is None else args.seed)[0]
 
@@ -703,20 +701,14 @@ def record_interval(epoch, step, step_time, data_time, metrics, lr):
 
 
 def report_start(model, world_size, device, micro_batch, args, *collectives):
-    """The run's first lines: what trains where, and the bytes each rank sends per step (report_communication)."""
+    """The run's first lines: what trains where, and the bytes each rank sends per optimizer step. collectives:
+    (kind, dtype, count per step), an all_reduce, all_gather or reduce_scatter of every trainable parameter (or
+    its gradient) in dtype (a torch dtype's name, fp16/bf16, or None/"none": the parameter's own). Of B bytes,
+    ring algorithms (NCCL's, gloo's for large tensors) send 2(N-1)/N B from each rank in an all-reduce, (N-1)/N B
+    in an all-gather or a reduce-scatter. BatchNorm buffers and the metrics' few numbers are left out."""
     log(f"=> {METHOD}: world size {world_size}, device {device.type}, arch {args.arch}, global batch "
         f"{args.batch_size} ({micro_batch} per process x {args.grad_accum_steps} micro-batches), "
         f"launcher {launcher_name(args)}")
-    report_communication(model, world_size, *collectives)
-
-
-def report_communication(model, world_size, *collectives):
-    """Log (rank 0) and return the bytes each rank sends per optimizer step. collectives: (kind, dtype,
-    count per step), kind an all_reduce, all_gather or reduce_scatter of every trainable parameter (or
-    its gradient) in dtype (a torch dtype's name, fp16/bf16, or None/"none": the parameter's own).
-    Ring algorithms' costs (NCCL's and gloo's for large tensors): of B bytes, an all-reduce sends
-    2(N-1)/N B from each rank, an all-gather or a reduce-scatter (N-1)/N B. BatchNorm buffers and the
-    metrics' few numbers are left out."""
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3 partitions keep the full size in ds_numel
     sent, what = 0, []
@@ -728,7 +720,6 @@ def report_communication(model, world_size, *collectives):
         what.append(f"{count} x {kind} in {str(dtype or params[0].dtype).removeprefix('torch.')}")
     log(f"=> communication: {sent:,} bytes ({sent / 2 ** 20:.1f} MiB) sent by each rank per optimizer step"
         + (f" ({' + '.join(what)} of {numel:,} parameters, ring algorithms)" if what else " (one process)"))
-    return sent
 
 
 def step_range(text):
@@ -752,12 +743,16 @@ def start_profile(args, device, epoch, step, steps_per_epoch):
     if stop > steps:
         raise UsageError(f"--profile {start}:{stop}: this run has only {steps} optimizer steps: lower STOP (or "
                          "raise --epochs)")
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
-                                                          if device.type == "cuda" else [])
+
+    def write_trace(profiler):  # each rank its own timeline; tools/profile_split.py splits their step time
+        profiler.export_chrome_trace(os.path.join(args.output_dir, f"trace-rank{RANK}.json"))
+        PROFILE["written"] = True
+        log(f"=> profile: steps {start}..{stop} traced in {args.output_dir}/trace-rank<R>.json, one per rank; "
+            f"their split: python tools/profile_split.py {args.output_dir}")
+    kinds, gpu = torch.profiler.ProfilerActivity, device.type == "cuda"
     PROFILE["profiler"] = torch.profiler.profile(
-        activities=activities, profile_memory=device.type == "cuda", record_shapes=True,
-        schedule=torch.profiler.schedule(wait=start - 2, warmup=1, active=stop - start + 1, repeat=1),
-        on_trace_ready=lambda profiler: write_trace(profiler, args))
+        activities=[kinds.CPU] + [kinds.CUDA] * gpu, profile_memory=gpu, record_shapes=True, on_trace_ready=write_trace,
+        schedule=torch.profiler.schedule(wait=start - 2, warmup=1, active=stop - start + 1, repeat=1))
     PROFILE["profiler"].start()
 
 
@@ -767,14 +762,6 @@ def profile_step():
         PROFILE["profiler"].step()
         if PROFILE.get("written"):
             PROFILE.pop("profiler").stop()
-
-
-def write_trace(profiler, args):
-    """Each rank writes its own timeline; tools/profile_split.py splits their step time."""
-    profiler.export_chrome_trace(os.path.join(args.output_dir, f"trace-rank{RANK}.json"))
-    PROFILE["written"] = True
-    log(f"=> profile: steps {args.profile[0]}..{args.profile[1]} traced in {args.output_dir}/trace-rank<R>.json, "
-        f"one per rank; their split: python tools/profile_split.py {args.output_dir}")
 
 
 # What PIL raises for a file it cannot decode; DecompressionBombError (not an OSError) for one whose header
@@ -833,21 +820,18 @@ def build_datasets(args):
     return train, val, len(train.classes)
 
 
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's per-channel statistics, of pixels in [0, 1]
-
-
 @functools.cache
 def normalization(device, dtype):
-    """MEAN and STD as (1, 3, 1, 1) tensors on `device`, made once: made each step, they would be a
-    host-to-device copy each step."""
-    return tuple(torch.tensor(values, dtype=dtype, device=device).view(1, 3, 1, 1) for values in (MEAN, STD))
+    """ImageNet's per-channel mean and std (of pixels in [0, 1]) as (1, 3, 1, 1) tensors on `device`, made once:
+    made each step, they would be a host-to-device copy each step."""
+    return tuple(torch.tensor(values, dtype=dtype, device=device).view(1, 3, 1, 1)
+                 for values in ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)))
 
 
 def to_device(images, target, device):
-    """A batch onto the training device, normalised there. The loaders deliver uint8 images, as NVIDIA's
-    and timm's do: a 4x smaller host-to-device copy than float32, and no float work in the loader's CPU
-    workers. The arithmetic is ToTensor + Normalize's, in the default float dtype (float64 in the tests'
-    equivalence runs); a float batch is taken to be in [0, 1], as ToTensor makes it."""
+    """A batch onto the training device, normalised there. The loaders deliver uint8 images, as NVIDIA's and
+    timm's do: a 4x smaller host-to-device copy than float32, no float work in the loader's CPU workers. The
+    arithmetic is ToTensor + Normalize's, in the default float dtype; a float batch is taken to be in [0, 1]."""
     images = images.to(device, non_blocking=True)
     mean, std = normalization(images.device, torch.get_default_dtype())
     if images.dtype == torch.uint8:
@@ -856,10 +840,9 @@ def to_device(images, target, device):
 
 
 def val_batches(loader, device, collective_model=None):
-    """The loader's batches on the device (to_device). collective_model: a model whose forward is a
-    collective (FSDP, ZeRO 3: it all-gathers the parameters), which every rank must then run as often as
-    the rank with the most val batches (shard_batches' counts differ by at most one): a rank out of
-    batches forwards stand-in images through it, their outputs discarded."""
+    """The loader's batches on the device. collective_model: a model whose forward is a collective (FSDP, ZeRO 3
+    all-gather the parameters), which every rank must run as often as the rank with the most val batches
+    (shard_batches' counts differ by one at most): a rank out of batches forwards a discarded stand-in image."""
     stand_ins = max(all_gather_objects(len(loader))) - len(loader) if collective_model else 0  # before a forward
     for images, target in loader:
         yield to_device(images, target, device)
@@ -934,9 +917,8 @@ class SampleSeeded(torch.utils.data.Dataset):
 
 
 class EpochIndices(torch.utils.data.Sampler):
-    """A sampler's indices as (epoch, index) keys of SampleSeeded. The epoch travels with each index
-    because persistent loader workers keep the copy of the dataset they started with: an epoch set on
-    it in the training process would never reach them."""
+    """A sampler's indices as (epoch, index) keys of SampleSeeded. The epoch travels with each index because
+    persistent loader workers keep the dataset copy they started with: an epoch set on it would never reach them."""
 
     def __init__(self, sampler):
         self.sampler = sampler
@@ -950,10 +932,9 @@ class EpochIndices(torch.utils.data.Sampler):
 
 
 class ResumableSampler(torch.utils.data.distributed.DistributedSampler):
-    """DistributedSampler whose epoch can start part-way: set_epoch(epoch, skip) leaves out the first
-    `skip` indices of this rank's share, the samples a mid-epoch checkpoint had already trained on.
-    Shares interleave (rank r takes positions r, r+W, ...), so skipping k*B/W on every rank skips
-    exactly the first k global batches of B, at any world size."""
+    """DistributedSampler whose epoch can start part-way: set_epoch(epoch, skip) leaves out the first `skip`
+    indices of this rank's share, those a mid-epoch checkpoint had trained on. Shares interleave (rank r takes
+    positions r, r+W, ...): skipping k*B/W on every rank skips the first k global batches of B, at any world size."""
 
     skip = 0
 
@@ -969,10 +950,9 @@ class ResumableSampler(torch.utils.data.distributed.DistributedSampler):
 
 
 def shard_batches(count, num_replicas, rank, batch_size):
-    """Rank `rank`'s evaluation batches: the val set cut into batches of batch_size, dealt out
-    round-robin, with NO padding (DistributedSampler pads with duplicates, which would count some
-    images twice; unequal shares are fine, as evaluation synchronises once, after its loop). Every
-    image lands in the same batch at any world size, so even the rounding is identical."""
+    """Rank `rank`'s evaluation batches: the val set cut into batches, dealt out round-robin with NO padding
+    (DistributedSampler's duplicates would count some images twice; evaluation synchronises once, after its
+    loop, so unequal shares are fine). Every image lands in the same batch at any world size: same rounding."""
     starts = range(rank * batch_size, count, num_replicas * batch_size)
     return [list(range(start, min(start + batch_size, count))) for start in starts]
 
@@ -1134,10 +1114,9 @@ class DaliLoader:
 
 
 class AverageMeter:
-    """Sums of loss, top-1 and top-5 hits and the sample count, on the training device: update()
-    only queues device work, and nothing waits for the GPU until reduced() (once per print interval
-    and once per epoch), so logging costs no per-step sync. The reduction also carries the stop
-    signals the ranks received: "stop" is true on every rank once one was asked to stop."""
+    """Sums of loss, top-1 and top-5 hits and the sample count, on the training device: update() only queues
+    device work, nothing waits for the GPU until reduced() (once per print interval and epoch): no per-step sync.
+    The reduction carries the stop signals too: "stop" is true on every rank once one was asked to stop."""
 
     def __init__(self, device):
         self.sums = torch.zeros(5, dtype=torch.float64, device=device)  # float64: exact enough at any world size
@@ -1222,16 +1201,13 @@ def correct_counts(output, target, topk=(1, 5)):
 def lr_schedule(args, steps_per_epoch):
     """Factor on the base lr at optimizer step s: linear warmup, then pytorch/examples' step decay."""
     warmup_steps = args.warmup_epochs * steps_per_epoch
-
-    def factor(step):
-        warmup = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
-        return warmup * args.lr_gamma ** ((step // steps_per_epoch) // args.lr_step_size)
-    return factor
+    return lambda step: (min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0) * args.lr_gamma ** (
+        step // steps_per_epoch // args.lr_step_size)
 
 
 def rng_state(devices):
-    """Every generator this process draws from: the CPU's, Python's and those of the GPUs in `devices`
-    (the ones it trains on: --cpu never starts CUDA). CPU tensors, so it loads anywhere."""
+    """Every generator this process draws from, as CPU tensors: the CPU's, Python's and those of `devices`' GPUs
+    (the ones it trains on: --cpu never starts CUDA)."""
     return {"torch": torch.get_rng_state(), "python": random.getstate(),
             "devices": [torch.get_device_module(d).get_rng_state(d) for d in devices if d.type != "cpu"]}
 
@@ -1246,13 +1222,11 @@ def set_rng_state(state, devices):
 
 def to_cpu(state):
     """A copy of a (nested) state with every tensor on the CPU, so the checkpoint opens on any machine."""
-    if isinstance(state, torch.Tensor):
-        return state.cpu()
     if isinstance(state, dict):
         return {key: to_cpu(value) for key, value in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(to_cpu(value) for value in state)
-    return state
+        return type(state)(map(to_cpu, state))
+    return state.cpu() if isinstance(state, torch.Tensor) else state
 
 
 # Checkpoints named <prefix>N at the end of epoch N-1, <prefix>N-stepS within epoch N: single files
@@ -1271,8 +1245,7 @@ def checkpoint_paths(output_dir, prefix):
 
 
 def digest(path):
-    """SHA-256 of a checkpoint: its file's (as sha256sum prints it), or that of a directory's file names
-    and their files' SHA-256."""
+    """SHA-256 of a checkpoint file (as sha256sum prints it), or of a directory's file names and files' SHA-256."""
     if os.path.isfile(path):
         with open(path, "rb") as f:
             return hashlib.file_digest(f, "sha256").hexdigest()
@@ -1284,14 +1257,25 @@ def digest(path):
     return total.hexdigest()
 
 
+def write_atomically(path, write):
+    """write(file) into a temporary file beside `path`, fsync'd, then renamed to `path`: a crash mid-write
+    leaves the previous file intact, never a truncated one, and no temporary file is left behind."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".checkpoint.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.remove(tmp)
+        raise
+
+
 def seal(path, keep):
-    """Rank 0, once checkpoint `path` is complete: its digest into path.sha256 (atomically), then all
-    but the newest `keep` checkpoints of its kind removed, so disk use stays bounded."""
-    with open(path + ".sha256.tmp", "w") as f:
-        f.write(digest(path))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".sha256.tmp", path + ".sha256")
+    """Rank 0, once checkpoint `path` is complete: its digest into path.sha256, then all but the newest
+    `keep` checkpoints of its kind removed, so disk use stays bounded."""
+    write_atomically(path + ".sha256", lambda f: f.write(digest(path).encode()))
     directory, name = os.path.split(path)
     for old in checkpoint_paths(directory, name[:name.index("epoch") + 5])[keep:]:
         if os.path.isdir(old):
@@ -1321,36 +1305,26 @@ def intact(paths):
 
 
 def save_checkpoint(state, is_best, args):
-    """Write checkpoint-epochN[-stepS].pth atomically (temp file in the same directory, fsync,
-    os.replace): a crash mid-write leaves the previous checkpoints intact, never a truncated one. Then
-    seal it, and point checkpoint.pth at it: the newest, under a name that stays."""
-    output_dir, tmp = args.output_dir, None
+    """Write checkpoint-epochN[-stepS].pth atomically and seal it, point checkpoint.pth (the newest, under a name
+    that stays) at it, and copy it to model_best.pth if is_best."""
+    output_dir, tmp = args.output_dir, os.path.join(args.output_dir, f".checkpoint.{os.getpid()}.tmp")
     name = f"checkpoint-epoch{state['epoch']}" + (f"-step{state['step']}" if state.get("step") else "") + ".pth"
     path = os.path.join(output_dir, name)
     try:
-        fd, tmp = tempfile.mkstemp(dir=output_dir, prefix=".checkpoint.", suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            torch.save(to_cpu(state), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomically(path, lambda f: torch.save(to_cpu(state), f))
         seal(path, args.keep_checkpoints)
         for suffix in ("", ".sha256"):  # a hard link, no copy (a copy where the file system has none)
-            tmp = os.path.join(output_dir, f".checkpoint.{os.getpid()}.link")
             try:
                 os.link(path + suffix, tmp)
             except OSError:
                 shutil.copyfile(path + suffix, tmp)
             os.replace(tmp, os.path.join(output_dir, "checkpoint.pth" + suffix))
-        if is_best:
-            fd, tmp = tempfile.mkstemp(dir=output_dir, prefix=".model_best.", suffix=".tmp")
-            os.close(fd)
-            shutil.copyfile(path, tmp)
-            os.replace(tmp, os.path.join(output_dir, "model_best.pth"))
+        if is_best:  # a copy: it stays the best one whatever happens to the file it was copied from
+            with open(path, "rb") as best:
+                write_atomically(os.path.join(output_dir, "model_best.pth"), lambda f: shutil.copyfileobj(best, f))
     except BaseException as e:
-        for leftover in (tmp, path + ".sha256.tmp"):
-            if leftover and os.path.exists(leftover):
-                os.remove(leftover)
+        if os.path.exists(tmp):
+            os.remove(tmp)
         # A full disk: torch.save raises its own RuntimeError while handling the OSError.
         cause = next((c for c in (e, e.__context__) if isinstance(c, OSError)), None)
         if cause:
@@ -1360,8 +1334,8 @@ def save_checkpoint(state, is_best, args):
 
 
 def choose_checkpoint(args, newest, found, missing, load):
-    """--resume's checkpoint as load(path) returns it (a dict), with its "path" added and check_resumable's
-    checks passed; None to start fresh. 'auto' takes the first of `newest` (--output-dir's checkpoints,
+    """--resume's checkpoint as load(path) returns it (a dict), with its "path" added, checked to fit -a and
+    -b; None to start fresh. 'auto' takes the first of `newest` (--output-dir's checkpoints,
     newest first) that is intact and loads, saying which it skipped; a --resume that found(path) denies is
     the error line `missing`. load raises UsageError to stop, anything else to fall back to an older one."""
     if not args.resume:
@@ -1385,18 +1359,21 @@ def choose_checkpoint(args, newest, found, missing, load):
             if path != paths[-1]:
                 log(f"=> {error}: skipping it")
             continue
-        check_resumable(checkpoint, path, args)
+        if checkpoint.get("arch") != args.arch:
+            raise UsageError(f"checkpoint '{path}' is for arch '{checkpoint.get('arch')}', not '{args.arch}': "
+                             f"pass -a {checkpoint.get('arch')} or another checkpoint")
+        # The batches a checkpoint taken in an epoch skips are batches of its -b.
+        if checkpoint.get("step") and checkpoint["args"]["batch_size"] != args.batch_size and not args.evaluate:
+            raise UsageError(f"checkpoint '{path}' stopped in an epoch, after step {checkpoint['step']} of -b "
+                             f"{checkpoint['args']['batch_size']}: resume it with that -b")
         return checkpoint
     raise error
 
 
 def load_checkpoint(args, model):
-    """Load --resume's checkpoint into the model and return it; None to start fresh ('auto' without one).
-
-    'auto' takes --output-dir's newest checkpoint that is intact and loads, saying which it skipped.
-    weights_only=True never runs pickled code. It is loaded onto the CPU, whatever device wrote it:
-    load_state_dict copies the weights to the model's device, and RNG states stay CPU tensors.
-    """
+    """Load --resume's checkpoint (choose_checkpoint) into the model and return it; None to start fresh. Onto
+    the CPU, whatever device wrote it: load_state_dict copies the weights to the model's device, and RNG states
+    stay CPU tensors; weights_only=True never runs pickled code."""
     def load(path):
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
@@ -1416,17 +1393,6 @@ def load_checkpoint(args, model):
                          "check -a and the number of classes") from None
     log(f"=> loaded checkpoint '{checkpoint['path']}' (epoch {checkpoint['epoch']}, step {checkpoint.get('step', 0)})")
     return checkpoint
-
-
-def check_resumable(checkpoint, path, args):
-    """A checkpoint of another arch, or one that stopped in an epoch resumed with another -b (the
-    batches to skip are batches of its -b), is one error line."""
-    if checkpoint.get("arch") != args.arch:
-        raise UsageError(f"checkpoint '{path}' is for arch '{checkpoint.get('arch')}', not '{args.arch}': "
-                         f"pass -a {checkpoint.get('arch')} or another checkpoint")
-    if checkpoint.get("step") and checkpoint["args"]["batch_size"] != args.batch_size and not args.evaluate:
-        raise UsageError(f"checkpoint '{path}' stopped in an epoch, after step {checkpoint['step']} of -b "
-                         f"{checkpoint['args']['batch_size']}: resume it with that -b")
 
 
 def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_size, devices, args):
@@ -1458,8 +1424,8 @@ def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_
 
 
 def state_digest(model):
-    """SHA-256 of every parameter and buffer: equal digests mean bitwise-identical models. FSDP's sharded
-    parameters are gathered whole, one at a time onto the device (full_tensor: a collective)."""
+    """SHA-256 of every parameter and buffer: equal digests, bitwise-identical models. FSDP's sharded parameters
+    are gathered whole, one at a time (full_tensor: a collective)."""
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
         tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

@@ -5,6 +5,7 @@ copy); this test is what keeps the copies from drifting apart.
 """
 import ast
 import difflib
+import re
 
 import pytest
 
@@ -16,20 +17,23 @@ SCRIPTS = ["dataparallel.py", "multiprocessing_distributed.py", "apex_distribute
 BEGIN = "# ---- helpers shared by every script: skip them on a first read ----\n"
 END = "# ---- end of shared helpers ----\n"
 # What the block holds. Moving a helper in or out of it is a decision for every script at once:
-# make it here too.
-SHARED_HELPERS = ["UsageError", "LocalError", "report", "log", "summary", "ArgumentParser", "number",
-                  "training_arguments", "seed_everything", "Stopped", "join_process_group", "run", "stalled_ranks",
-                  "supervise",
-                  "stop_on_signals", "ignore_stop_signals", "diverged", "check_finite", "pick_device",
-                  "check_no_gpu_left_out", "require_bf16", "check_batch", "check_output_dir", "claim_output_dir",
-                  "common_seed", "report_epoch", "report_data_stall", "check_tensorboard", "open_metrics",
-                  "write_metrics", "record_interval", "report_start", "report_communication", "step_range",
-                  "start_profile", "profile_step", "write_trace", "load_image", "build_datasets", "normalization", "to_device", "val_batches",
-                  "build_model", "SyntheticImages", "SampleSeeded", "EpochIndices", "ResumableSampler", "shard_batches",
-                  "build_loaders", "check_steps", "import_dali", "DaliLoader", "AverageMeter", "Progress",
-                  "correct_counts", "lr_schedule", "rng_state", "set_rng_state", "to_cpu", "checkpoint_paths", "digest",
-                  "seal", "intact", "save_checkpoint", "choose_checkpoint", "load_checkpoint", "check_resumable",
-                  "resume_training", "state_digest"]
+# make it here too. In any order: the block's section banners decide where each one stands.
+SHARED_HELPERS = ["UsageError", "LocalError", "report", "log", "ArgumentParser", "number", "step_range",
+                  "training_arguments", "seed_everything", "pick_device", "check_no_gpu_left_out", "require_bf16",
+                  "check_batch", "join_process_group", "check_output_dir", "claim_output_dir", "check_tensorboard",
+                  "common_seed", "build_datasets", "load_image", "SyntheticImages", "build_model", "build_loaders",
+                  "check_steps", "SampleSeeded", "EpochIndices", "ResumableSampler", "shard_batches", "import_dali",
+                  "DaliLoader", "normalization", "to_device", "val_batches", "lr_schedule", "Progress", "AverageMeter",
+                  "correct_counts", "diverged", "check_finite", "rng_state", "set_rng_state", "to_cpu",
+                  "checkpoint_paths", "digest", "write_atomically", "seal", "intact", "save_checkpoint",
+                  "choose_checkpoint", "load_checkpoint", "resume_training", "report_start", "summary", "report_epoch",
+                  "report_data_stall", "open_metrics", "write_metrics", "record_interval", "start_profile",
+                  "profile_step", "Stopped", "run", "stalled_ranks", "supervise", "stop_on_signals",
+                  "ignore_stop_signals", "state_digest"]
+# The block's sections, each opened by a one-line banner `# ---- NAME: what it holds ----`, in the order
+# main_worker meets them: a reader looking for a helper finds its section from the banners alone.
+SECTIONS = ["flags and errors", "set-up", "data", "the training loop's bookkeeping", "checkpoints",
+            "metrics and profiling", "exit"]
 
 
 def shared_block(path):
@@ -56,7 +60,18 @@ def check_same_helpers(path, reference=REPO / REFERENCE):
 def test_reference_block_holds_the_shared_helpers():
     tree = ast.parse("".join(shared_block(REPO / REFERENCE)))
     defined = [node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
-    assert defined == SHARED_HELPERS
+    assert sorted(defined) == sorted(SHARED_HELPERS)
+
+
+@pytest.mark.parametrize("script", [REFERENCE] + SCRIPTS)
+def test_block_is_in_sections(script):
+    block = shared_block(REPO / script)[1:-1]
+    banners = [i for i, line in enumerate(block) if line.startswith("# ----")]
+    malformed = [block[i] for i in banners if not re.fullmatch(r"# ---- [^:]+: \S.* ----\n", block[i])]
+    assert not malformed, f"{script}: a section banner is one line `# ---- NAME: what it holds ----`: {malformed}"
+    assert [block[i][len("# ---- "):block[i].index(":")] for i in banners] == SECTIONS
+    first = ast.parse("".join(block)).body[0]
+    assert banners and banners[0] < first.lineno - 1, f"{script}: helpers before the first section banner"
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
