@@ -685,8 +685,8 @@ def claim_output_dir(args):
 
 # Above this share of an epoch's training time spent waiting for batches, the input pipeline, not the
 # model, limits the run: removing the wait would make it up to 1 / (1 - 0.2) = 1.25x faster, worth acting
-# on. A run that is not input-bound waits a few percent (its workers start and fill their queues at each
-# epoch's first batch), well below it.
+# on. A run that is not input-bound waits a few percent (its workers fill their queues at each epoch's
+# first batch), well below it. The workers' start-up, once per run, is not counted (Progress.timed).
 DATA_STALL_SHARE = 0.2
 
 
@@ -1039,8 +1039,8 @@ class EpochIndices(torch.utils.data.Sampler):
         self.sampler = sampler
 
     def __iter__(self):
-        epoch = self.sampler.epoch  # set_epoch came first
-        return ((epoch, index) for index in self.sampler)
+        epoch = self.sampler.epoch  # set_epoch came first (None: nothing to load yet, build_loaders starts the workers)
+        return iter(()) if epoch is None else ((epoch, index) for index in self.sampler)
 
     def __len__(self):
         return len(self.sampler)
@@ -1095,11 +1095,20 @@ def build_loaders(args, train_set, val_set, world_size, rank, device, micro_batc
     loader_args = {"num_workers": args.workers, "pin_memory": device.type != "cpu",
                    "worker_init_fn": ignore_stop_signals,
                    **({"multiprocessing_context": "spawn", "persistent_workers": True} if args.workers else {})}
+    train_sampler.epoch, val_pending = None, []  # nothing to load yet
     train_loader = torch.utils.data.DataLoader(train_set, max(1, micro_batch), sampler=EpochIndices(train_sampler),
                                                generator=torch.Generator().manual_seed(args.seed + rank),
                                                drop_last=True, **loader_args)
+    val_loader = torch.utils.data.DataLoader(val_set, batch_sampler=val_pending, **loader_args)
+    if args.workers:
+        # Start both loaders' workers now, not at their first batch: each is an interpreter importing torch
+        # (seconds), which then overlaps the rest of the set-up and the first epoch. The persistent
+        # workers stay; with nothing to load yet they load nothing that would be dropped.
+        for loader in (val_loader,) if args.evaluate else (train_loader, val_loader):
+            iter(loader)
+    val_pending += val_batches
     check_steps(train_loader, train_set, args)
-    return train_sampler, train_loader, torch.utils.data.DataLoader(val_set, batch_sampler=val_batches, **loader_args)
+    return train_sampler, train_loader, val_loader
 
 
 def check_steps(train_loader, train_set, args):
@@ -1253,6 +1262,8 @@ class Progress:
     loss is finite and the stop signal (a checkpoint, then every rank stops after this same step); and
     --save-every's checkpoints. save(step) checkpoints the epoch after that many steps."""
 
+    started = False  # whether this process's loader workers have delivered their first batch
+
     def __init__(self, epoch, first_step, steps, device, args, save):
         self.epoch, self.first_step, self.steps, self.args, self.save = epoch, first_step, steps, args, save
         self.meter = AverageMeter(device)
@@ -1265,6 +1276,10 @@ class Progress:
             start = time.perf_counter()
             batch = next(batches, None)
             waited = time.perf_counter() - start
+            if self.args.workers and not Progress.started:  # the workers' (DALI's pipeline's) start-up, said once
+                Progress.started, self.start, self.interval_start = True, start + waited, start + waited
+                log(f"=> loader start-up: {waited:.1f} s to the first batch (timed as neither training nor data wait)")
+                waited = 0.0
             self.data_wait, self.interval_wait = self.data_wait + waited, self.interval_wait + waited
             if batch is None:
                 return
