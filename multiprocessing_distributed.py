@@ -1074,6 +1074,7 @@ class DaliLoader:
         self.batches, self.batch_size, self.args, self.device = batches, batch_size, args, device
         # What main_worker checkpoints of a DataLoader, its workers' seed source: DALI draws nothing from it.
         self.generator = torch.Generator()
+        self.pipe, self.midway = None, False
 
     def __len__(self):
         return len(self.batches)
@@ -1126,15 +1127,20 @@ class DaliLoader:
         return pipe()
 
     def __iter__(self):
-        batches = iter(self.batches)  # this epoch's: the sampler's set_epoch came first
-        # A pipeline per pass: DALI calls read() as it schedules batches ahead (prefetching), and the
-        # source's StopIteration ends the pass after the last one.
-        pipe = self.pipeline(lambda: self.read(next(batches)))
-        pipe.build()
+        self.pass_batches = iter(self.batches)  # this epoch's: the sampler's set_epoch came first
+        # One pipeline per loader, built at its first pass (seconds): DALI calls read() as it schedules
+        # batches ahead (prefetching), the source's StopIteration ends a pass after its last batch, and
+        # reset() readies the next. A pass left midway leaves batches queued: a new pipeline then.
+        if self.pipe is None or self.midway:
+            self.pipe = self.pipeline(lambda: self.read(next(self.pass_batches)))
+            self.pipe.build()
+        self.midway = True
         while True:
             try:
-                images, labels = pipe.run()
+                images, labels = self.pipe.run()
             except StopIteration:
+                self.pipe.reset()
+                self.midway = False
                 return
             except RuntimeError as e:  # DALI's multi-line report, which names the operator but not the file
                 where = next((line for line in str(e).splitlines() if "operator" in line), "").rstrip(",")
