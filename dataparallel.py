@@ -1182,9 +1182,8 @@ class Progress:
         self.start = self.interval_start = time.perf_counter()
 
     def timed(self, loader):
-        batches = iter(loader)
+        start, batches = time.perf_counter(), iter(loader)  # iter waits for workers started by build_loaders
         while True:
-            start = time.perf_counter()
             batch = next(batches, None)
             waited = time.perf_counter() - start
             if self.args.workers and not Progress.started:  # the workers' (DALI's pipeline's) start-up, said once
@@ -1195,6 +1194,7 @@ class Progress:
             if batch is None:
                 return
             yield batch
+            start = time.perf_counter()
 
     def update(self, loss, output, target):
         self.meter.update(loss.detach() * target.size(0), *correct_counts(output.detach(), target), target.size(0))
