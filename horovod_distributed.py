@@ -803,11 +803,11 @@ UNREADABLE_IMAGE = (OSError, SyntaxError, ValueError, Image.DecompressionBombErr
 
 def load_image(path, decoder="torchvision"):
     """ImageFolder's loader. JPEGs and PNGs (CMYK, grey, palette, 16-bit; whatever the file's name says) are
-    decoded by torchvision.io into a uint8 CHW tensor, 1.4-2.5x faster per core than by PIL
-    (benchmarks/input_pipeline.py); other formats, damaged files and all with --decoder pil by PIL into an
-    RGB image (the transforms take both), or an error names the file. PIL reads the header first, no pixels:
-    its decompression-bomb rule refuses a file before anything is decoded. EXIF rotation is not applied
-    (nor by PIL's loader, nor by DALI here)."""
+    decoded by torchvision.io into a uint8 CHW tensor, 1.4x faster per core than PIL's path on ImageNet's
+    sizes (benchmarks/input_pipeline.py); other formats, damaged files and all with --decoder pil by PIL
+    into an RGB image (the transforms take both), or an error names the file. PIL reads the header first,
+    no pixels: its decompression-bomb rule refuses a file before anything is decoded. EXIF rotation is not
+    applied (nor by PIL's loader, nor by DALI here)."""
     try:
         if decoder == "torchvision":
             with Image.open(path) as header:
