@@ -39,9 +39,10 @@ import torch.nn.functional as F
 import torch.utils.data
 import torchvision.datasets as datasets
 import torchvision.models as models
-import torchvision.transforms as transforms
+import torchvision.transforms.v2 as transforms
 from PIL import Image
 from torch.distributed.elastic.multiprocessing.errors import record
+from torchvision.io import ImageReadMode, decode_image, read_file
 
 METHOD = "dataparallel"
 RANK = 0  # one process: log() always prints
@@ -300,7 +301,9 @@ def training_arguments(description):
         help="smallest area RandomResizedCrop keeps (ImageNet: 0.08; tiny images such as the demo's: ~0.35)")
     add("-j", "--workers", type=number(int, 0), default=4, help="data loading workers (DALI: threads) per process")
     add("--data-backend", choices=["torch", "dali"], default="torch",
-        help="who decodes and augments: torch's DataLoader (PIL), or NVIDIA DALI (CPU threads; nvJPEG on GPUs)")
+        help="who decodes and augments: torch's DataLoader (--decoder), or NVIDIA DALI (CPU threads; nvJPEG on GPUs)")
+    add("--decoder", choices=["torchvision", "pil"], default="torchvision",
+        help="the DataLoader's image decoder: torchvision.io for JPEGs and PNGs (PIL for the rest), or PIL for all")
     add("--epochs", type=number(int, 1), default=90, help="total epochs to run")
     add("-b", "--batch-size", type=number(int, 1), default=256,
         help="GLOBAL batch per optimizer step, split over all processes and --grad-accum-steps micro-batches")
@@ -600,8 +603,8 @@ def claim_output_dir(args):
 
 # Above this share of an epoch's training time spent waiting for batches, the input pipeline, not the
 # model, limits the run: removing the wait would make it up to 1 / (1 - 0.2) = 1.25x faster, worth acting
-# on. A run that is not input-bound waits a few percent (its workers start and fill their queues at each
-# epoch's first batch), well below it.
+# on. A run that is not input-bound waits a few percent (its workers fill their queues at each epoch's
+# first batch), well below it. The workers' start-up, once per run, is not counted (Progress.timed).
 DATA_STALL_SHARE = 0.2
 
 
@@ -773,9 +776,20 @@ def profile_step():
 UNREADABLE_IMAGE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
 
 
-def load_image(path):
-    """ImageFolder's loader, with an error naming a corrupt, truncated or oversized file."""
+def load_image(path, decoder="torchvision"):
+    """ImageFolder's loader. JPEGs and PNGs (CMYK, grey, palette, 16-bit; whatever the file's name says) are
+    decoded by torchvision.io into a uint8 CHW tensor, 1.4x faster per core than PIL's path on ImageNet's
+    sizes (benchmarks/input_pipeline.py); other formats, damaged files and all with --decoder pil by PIL
+    into an RGB image (the transforms take both), or an error names the file. PIL reads the header first,
+    no pixels: its decompression-bomb rule refuses a file before anything is decoded. EXIF rotation is not
+    applied (nor by PIL's loader, nor by DALI here)."""
     try:
+        if decoder == "torchvision":
+            with Image.open(path) as header:
+                if header.format in ("JPEG", "PNG"):
+                    with contextlib.suppress(RuntimeError):  # a damaged file: PIL's error says what is wrong
+                        image = decode_image(read_file(path), ImageReadMode.RGB)
+                        return transforms.functional.to_dtype(image, torch.uint8, scale=True)  # 16-bit PNGs
         return datasets.folder.pil_loader(path)
     except UNREADABLE_IMAGE as e:
         raise LocalError(f"cannot read image '{path}' ({e}): replace or delete the file") from None
@@ -807,14 +821,16 @@ def build_datasets(args):
                 if os.path.realpath(os.path.join(path, name)) in above:
                     raise UsageError(f"symlink loop in --data: '{os.path.join(path, name)}' leads back to "
                                      f"'{os.path.realpath(os.path.join(path, name))}': remove or replace the link")
-    # uint8 CHW tensors: to_device normalises them on the training device.
+    # transforms v2, on uint8 tensors (on PIL images from PIL), into uint8 CHW tensors: to_device normalises
+    # them on the training device.
     train_tf = transforms.Compose([transforms.RandomResizedCrop(args.image_size, scale=(args.min_crop_scale, 1.0)),
                                    transforms.RandomHorizontalFlip(), transforms.PILToTensor()])
     val_tf = transforms.Compose([transforms.Resize(args.image_size * 256 // 224), transforms.CenterCrop(args.image_size),
                                  transforms.PILToTensor()])
     try:
-        train = datasets.ImageFolder(os.path.join(args.data, "train"), train_tf, loader=load_image)
-        val = datasets.ImageFolder(os.path.join(args.data, "val"), val_tf, loader=load_image)
+        loader = functools.partial(load_image, decoder=args.decoder)
+        train = datasets.ImageFolder(os.path.join(args.data, "train"), train_tf, loader=loader)
+        val = datasets.ImageFolder(os.path.join(args.data, "val"), val_tf, loader=loader)
     except FileNotFoundError as e:  # no class folders, or a class folder without images
         raise UsageError(f"bad dataset in {args.data}: {e}") from None
     if val.classes != train.classes:
@@ -928,8 +944,8 @@ class EpochIndices(torch.utils.data.Sampler):
         self.sampler = sampler
 
     def __iter__(self):
-        epoch = self.sampler.epoch  # set_epoch came first
-        return ((epoch, index) for index in self.sampler)
+        epoch = self.sampler.epoch  # set_epoch came first (None: nothing to load yet, build_loaders starts the workers)
+        return iter(()) if epoch is None else ((epoch, index) for index in self.sampler)
 
     def __len__(self):
         return len(self.sampler)
@@ -982,11 +998,20 @@ def build_loaders(args, train_set, val_set, world_size, rank, device, micro_batc
     loader_args = {"num_workers": args.workers, "pin_memory": device.type != "cpu",
                    "worker_init_fn": ignore_stop_signals,
                    **({"multiprocessing_context": "spawn", "persistent_workers": True} if args.workers else {})}
+    train_sampler.epoch, val_pending = None, []  # nothing to load yet
     train_loader = torch.utils.data.DataLoader(train_set, max(1, micro_batch), sampler=EpochIndices(train_sampler),
                                                generator=torch.Generator().manual_seed(args.seed + rank),
                                                drop_last=True, **loader_args)
+    val_loader = torch.utils.data.DataLoader(val_set, batch_sampler=val_pending, **loader_args)
+    if args.workers:
+        # Start both loaders' workers now, not at their first batch: each is an interpreter importing torch
+        # (seconds), which then overlaps the rest of the set-up and the first epoch. The persistent
+        # workers stay; with nothing to load yet they load nothing that would be dropped.
+        for loader in (val_loader,) if args.evaluate else (train_loader, val_loader):
+            iter(loader)
+    val_pending += val_batches
     check_steps(train_loader, train_set, args)
-    return train_sampler, train_loader, torch.utils.data.DataLoader(val_set, batch_sampler=val_batches, **loader_args)
+    return train_sampler, train_loader, val_loader
 
 
 def check_steps(train_loader, train_set, args):
@@ -1018,7 +1043,7 @@ class DaliLoader:
     exact evaluation, mid-epoch resume), and each image's crop window and flip are drawn by the default
     transform's own RandomResizedCrop.get_params and flip from SampleSeeded's per-(seed, epoch, index)
     generator: the same windows at any world size, and the same as the default loader's. Only the
-    resampling is DALI's (its bilinear resize with antialiasing against PIL's), so pixels differ slightly.
+    resampling is DALI's (its bilinear resize with antialiasing against torchvision's), so pixels differ slightly.
     """
 
     def __init__(self, dataset, batches, batch_size, args, device):
@@ -1030,6 +1055,7 @@ class DaliLoader:
         self.batches, self.batch_size, self.args, self.device = batches, batch_size, args, device
         # What main_worker checkpoints of a DataLoader, its workers' seed source: DALI draws nothing from it.
         self.generator = torch.Generator()
+        self.pipe, self.midway = None, False
 
     def __len__(self):
         return len(self.batches)
@@ -1058,6 +1084,10 @@ class DaliLoader:
                 columns[4].append(numpy.array(mirror.item(), dtype=numpy.int32))
         return columns if self.seeded else columns[:2]
 
+    def source(self):
+        self.pending.append(next(self.pass_batches))
+        return self.read(self.pending[-1])
+
     def pipeline(self, source):
         fn, types = self.dali.fn, self.dali.types
         gpu = self.device.type == "cuda"
@@ -1068,7 +1098,7 @@ class DaliLoader:
         @self.dali.pipeline_def(batch_size=self.batch_size, num_threads=max(1, self.args.workers),
                                 device_id=self.device.index if gpu else None)
         def pipe():
-            # adjust_orientation=False: PIL, and so the default loader, ignores EXIF rotation too.
+            # adjust_orientation=False: the default loader ignores EXIF rotation too.
             if self.seeded:
                 files, labels, anchor, shape, mirror = fn.external_source(source, num_outputs=5, batch=True)
                 images = fn.decoders.image_slice(files, anchor, shape, device=decoder, output_type=types.RGB,
@@ -1079,30 +1109,31 @@ class DaliLoader:
             else:
                 files, labels = fn.external_source(source, num_outputs=2, batch=True)
                 images = fn.decoders.image(files, device=decoder, output_type=types.RGB, adjust_orientation=False)
-                images = fn.resize(images, resize_shorter=self.transforms[0].size)
+                images = fn.resize(images, resize_shorter=self.transforms[0].size[0])
                 images = fn.crop_mirror_normalize(images, crop=(size, size), dtype=types.UINT8, output_layout="CHW")
             return images, labels
         return pipe()
 
     def __iter__(self):
-        batches = iter(self.batches)  # this epoch's: the sampler's set_epoch came first
-        pending = []  # the batches read and not yet delivered, oldest first
-
-        def source():
-            pending.append(next(batches))
-            return self.read(pending[-1])
-        # A pipeline per pass: DALI calls read() as it schedules batches ahead (prefetching), and the
-        # source's StopIteration ends the pass after the last one.
-        pipe = self.pipeline(source)
-        pipe.build()
+        self.pass_batches = iter(self.batches)  # this epoch's: the sampler's set_epoch came first
+        self.pending = []  # the batches read and not yet delivered, oldest first
+        # One pipeline per loader, built at its first pass (seconds): DALI calls read() as it schedules
+        # batches ahead (prefetching), the source's StopIteration ends a pass after its last batch, and
+        # reset() readies the next. A pass left midway leaves batches queued: a new pipeline then.
+        if self.pipe is None or self.midway:
+            self.pipe = self.pipeline(self.source)
+            self.pipe.build()
+        self.midway = True
         while True:
             try:
-                images, labels = pipe.run()
-                pending.pop(0)
+                images, labels = self.pipe.run()
+                self.pending.pop(0)
             except StopIteration:
+                self.pipe.reset()
+                self.midway = False
                 return
             except RuntimeError as e:  # DALI's report names the operator, not the file: PIL's decode does
-                for index in itertools.chain(*pending):
+                for index in itertools.chain(*self.pending):
                     load_image(self.samples[index][0])
                 where = next((line for line in str(e).splitlines() if "operator" in line), "").rstrip(",")
                 raise LocalError(f"DALI cannot decode an image of this rank's next batches ({where}), though PIL "
@@ -1150,6 +1181,8 @@ class Progress:
     loss is finite and the stop signal (a checkpoint, then every rank stops after this same step); and
     --save-every's checkpoints. save(step) checkpoints the epoch after that many steps."""
 
+    started = False  # whether this process's loader workers have delivered their first batch
+
     def __init__(self, epoch, first_step, steps, device, args, save):
         self.epoch, self.first_step, self.steps, self.args, self.save = epoch, first_step, steps, args, save
         self.meter = AverageMeter(device)
@@ -1157,15 +1190,19 @@ class Progress:
         self.start = self.interval_start = time.perf_counter()
 
     def timed(self, loader):
-        batches = iter(loader)
+        start, batches = time.perf_counter(), iter(loader)  # iter waits for workers started by build_loaders
         while True:
-            start = time.perf_counter()
             batch = next(batches, None)
             waited = time.perf_counter() - start
+            if self.args.workers and not Progress.started:  # the workers' (DALI's pipeline's) start-up, said once
+                Progress.started, self.start, self.interval_start = True, start + waited, start + waited
+                log(f"=> loader start-up: {waited:.1f} s to the first batch (timed as neither training nor data wait)")
+                waited = 0.0
             self.data_wait, self.interval_wait = self.data_wait + waited, self.interval_wait + waited
             if batch is None:
                 return
             yield batch
+            start = time.perf_counter()
 
     def update(self, loss, output, target):
         self.meter.update(loss.detach() * target.size(0), *correct_counts(output.detach(), target), target.size(0))

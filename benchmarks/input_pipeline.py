@@ -10,7 +10,11 @@ default loader's worker count (all cores, wall time) shows where its throughput 
 Rows (each per image: read the file, decode, RandomResizedCrop 224 with scale (0.08, 1), random
 horizontal flip; what else each includes is said in its row):
   today            PIL (ImageFolder's pil_loader) + torchvision transforms, ToTensor and Normalize:
-                   a float32 CHW tensor, as every trainer's build_datasets makes it
+                   a float32 CHW tensor, as every trainer's build_datasets made it before --decoder
+  default          the trainers' own train set (distributed.py's build_datasets and load_image, so this
+                   row follows them): torchvision.io decoding after PIL's header check, transforms v2 on
+                   uint8: a uint8 CHW tensor ('default resized': the same on --resized)
+  default --decoder pil  the same with the trainers' --decoder pil: PIL decoding, transforms v2 on PIL images
   tv-decode        torchvision.io.decode_jpeg on the file's bytes + transforms v2 on the uint8 tensor:
                    a uint8 CHW tensor, normalisation left to the device (row 'normalise' prices it on a CPU)
   tv-decode resized  the same on the copy written by tools/resize_dataset.py (--resized)
@@ -30,6 +34,7 @@ import os
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -82,6 +87,20 @@ TV_TRANSFORM = v2.Compose([v2.RandomResizedCrop(224, antialias=True), v2.RandomH
 def run_tv_decode(files):
     for path in files:
         TV_TRANSFORM(io.decode_jpeg(io.read_file(path), mode=io.ImageReadMode.RGB))
+
+
+def run_default(root, decoder="torchvision"):
+    """A runner over the trainers' own train set of root (its default flags, --decoder decoder)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import distributed
+    train_set = distributed.build_datasets(distributed.argument_parser().parse_args(
+        ["--data", root, "--decoder", decoder]))[0]
+    index = {os.path.abspath(path): i for i, (path, _) in enumerate(train_set.samples)}
+
+    def run(files):
+        for path in files:
+            train_set[index[os.path.abspath(path)]]
+    return run
 
 
 def run_pil_draft(files):
@@ -169,11 +188,14 @@ def main(argv=None):
     warnings.filterwarnings("ignore", message=".*worker processes in total.*")  # the sweep passes the cores on purpose
     files = jpeg_files(args.data, args.images)
     rows = [("today", "PIL + transforms, float32 normalised", run_today, files),
+            ("default", "the trainers' default: torchvision.io + v2, uint8", run_default(args.data), files),
+            ("default --decoder pil", "the trainers' --decoder pil, uint8", run_default(args.data, "pil"), files),
             ("tv-decode", "decode_jpeg + v2, uint8", run_tv_decode, files),
             ("pil-draft", "PIL reduced-scale decode of the crop, uint8", run_pil_draft, files)]
     if args.resized:
         resized = jpeg_files(args.resized, args.images)
-        rows += [("tv-decode resized", "tv-decode on --resized", run_tv_decode, resized),
+        rows += [("default resized", "the trainers' default on --resized", run_default(args.resized), resized),
+                 ("tv-decode resized", "tv-decode on --resized", run_tv_decode, resized),
                  ("pil-draft resized", "pil-draft on --resized", run_pil_draft, resized)]
     try:
         import nvidia.dali  # noqa: F401  (only to know whether the DALI rows can run)

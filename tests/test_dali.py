@@ -39,6 +39,15 @@ def test_dali_batches_are_the_default_loaders_up_to_resampling(tiny_data):
         difference = (dali_images.int() - images.int()).abs()
         # Another crop window or a missed flip moves pixels by tens of grey levels.
         assert difference.max() <= 2 and difference.float().mean() < 0.5, (difference.max(), difference.float().mean())
+    # One pipeline per loader: a pass left midway (as above) leaves batches queued in it, so the next pass
+    # builds a new one, which the pass after reuses, giving the same batches (a pass of val is fixed).
+    passes, pipes = [], []
+    for _ in range(2):
+        passes.append([(images.clone(), labels) for images, labels in val_loader])  # clone: DALI reuses its buffers
+        pipes.append(val_loader.pipe)
+    assert pipes[0] is pipes[1] and len(passes[0]) == len(passes[1]) == 1
+    for (images, labels), in passes:
+        assert torch.equal(images, passes[0][0][0]) and torch.equal(labels, batches["dali"][1][1])
 
 
 def test_dali_shards_the_epoch_and_evaluates_every_image_once(tiny_data, tmp_path):

@@ -7,14 +7,18 @@ import re
 import resource
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 import torch.nn as nn
 import torchvision
+import torchvision.transforms.v2 as transforms
+from PIL import Image
 
 from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, PYTHON, REPO, assert_same_checkpoints, bad_inputs,
                       environment, fault_at, float64_weights, launch_command, load_state, make_data, max_abs_diff,
@@ -581,3 +585,41 @@ def test_a_full_disk_at_save_is_one_line_and_keeps_the_last_checkpoint(tiny_data
     assert f"cannot write a checkpoint in '{out}': File too large" in errors[0]
     assert (out / "checkpoint.pth").read_bytes() == checkpoint.read_bytes()
     assert not list(out.glob(".*.tmp"))
+
+
+def test_odd_images_decode_as_with_pil_and_a_bomb_is_refused_before_decoding(tmp_path):
+    """What ImageNet holds besides RGB JPEGs (CMYK and grey JPEGs, a PNG named .JPEG, palette PNGs) gives
+    torchvision's decoder PIL's pixels; a 16-bit PNG is scaled to 8 bits (PIL's loader saturates it); other
+    formats go to PIL; EXIF rotation is applied by neither. A 600-byte JPEG whose header claims 20000 x
+    20000 pixels is refused by PIL's bomb rule in one error naming it, before anything is decoded."""
+    rgb = Image.fromarray(numpy.random.default_rng(0).integers(0, 256, (40, 50, 3), dtype=numpy.uint8))
+    rotated = Image.Exif()
+    rotated[0x0112] = 6  # EXIF orientation: rotate 90 degrees to display
+    files = {"cmyk.JPEG": (rgb.convert("CMYK"), "JPEG", {}), "grey.JPEG": (rgb.convert("L"), "JPEG", {}),
+             "png.JPEG": (rgb, "PNG", {}), "palette.png": (rgb.convert("P"), "PNG", {"transparency": 3}),
+             "exif.JPEG": (rgb, "JPEG", {"exif": rotated}), "bmp.JPEG": (rgb, "BMP", {})}
+    for name, (image, kind, options) in files.items():
+        image.save(tmp_path / name, kind, **options)
+        decoded, with_pil = distributed.load_image(tmp_path / name), distributed.load_image(tmp_path / name, "pil")
+        assert with_pil.size == (50, 40) and torch.equal(transforms.functional.pil_to_tensor(with_pil),
+                                                         transforms.functional.pil_to_tensor(decoded)
+                                                         if kind == "BMP" else decoded), name
+    wide = numpy.random.default_rng(0).integers(0, 65536, (40, 50), dtype=numpy.uint16)
+    Image.fromarray(wide).save(tmp_path / "16-bit.png")
+    decoded = distributed.load_image(tmp_path / "16-bit.png")
+    assert decoded.dtype == torch.uint8 and torch.equal(decoded, torch.from_numpy(wide >> 8).byte().expand(3, -1, -1))
+    bomb = bytearray((tmp_path / "grey.JPEG").read_bytes())
+    sof = bomb.index(b"\xff\xc0")  # the frame header: precision, then height and width
+    bomb[sof + 5:sof + 9] = struct.pack(">HH", 20000, 20000)
+    (tmp_path / "bomb.JPEG").write_bytes(bomb)
+    with pytest.raises(distributed.LocalError, match=f"cannot read image '{tmp_path / 'bomb.JPEG'}' \\(Image size "
+                       r"\(400000000 pixels\) exceeds limit"):
+        distributed.load_image(tmp_path / "bomb.JPEG")
+    # Before decoding: torchvision would first fill a 1.2 GB tensor with grey (1.4 s measured), then fail.
+    # (VmHWM: this process's peak memory, which ru_maxrss is not: exec keeps the peak of the forked pytest.)
+    grown = subprocess.run([PYTHON, "-c", "import re, distributed\n"
+                            "peak = lambda: int(re.search(r'VmHWM:\\s*(\\d+)', open('/proc/self/status').read())[1])\n"
+                            f"before = peak()\ntry:\n    distributed.load_image({str(tmp_path / 'bomb.JPEG')!r})\n"
+                            "except distributed.LocalError:\n    print((peak() - before) // 1024)"],
+                           cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert int(grown) < 100, f"{grown} MB"
