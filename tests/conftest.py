@@ -418,3 +418,27 @@ def pytest_runtest_logreport(report):
         with open(path, "a") as f:
             f.write(json.dumps({"test": report.nodeid.split("::", 1)[-1], "outcome": report.outcome,
                                 "seconds": round(report.duration, 1), "reason": reason}) + "\n")
+
+
+# The fast tier, `pytest -m "not slow"`: the tests that start no training run, and one training run of
+# each script under its own launcher. Every other test is marked slow here, a new one too until added.
+FAST_TIER = {
+    "test_consistency.py", "test_tools.py",
+    "test_distributed.py::test_launchers", "test_distributed.py::test_legacy_local_rank_spellings",
+    "test_distributed.py::test_lr_schedule_warmup_then_steps",
+    "test_distributed.py::test_resumable_sampler_skips_the_first_global_batches_at_any_world_size",
+    "test_distributed.py::test_shard_batches_count_each_sample_once_in_the_same_batch",
+    "test_methods.py::test_runs_and_resumes_bitwise", "test_methods.py::test_default_amp_dtype_follows_the_device",
+    "test_fsdp.py::test_runs_and_resumes_bitwise", "test_deepspeed.py::test_deepspeed_launcher_runs_zero3_on_the_cpu",
+    "test_horovod.py::test_horovodrun_two_ranks", "test_slurm.py::test_srun_one_node_two_tasks",
+    "test_slurm.py::test_local_rank_from_slurm", "test_slurm.py::test_first_host_matches_scontrol",
+    "test_dali.py::test_dali_batches_are_the_default_loaders_up_to_resampling",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(items):
+    for item in items:
+        module = Path(item.fspath).name
+        if module not in FAST_TIER and f"{module}::{item.originalname}" not in FAST_TIER:
+            item.add_marker(pytest.mark.slow)

@@ -44,6 +44,10 @@ ACCUMULATION_TOLERANCE = 1e-3  # ZeRO 2-3 with accumulation round differently (t
 RESUME = ["-b", 32, "--warmup-epochs", 1, "--lr-step-size", 1, "--val-batch-size", 8] + FAST
 
 
+# Its module-scoped runs are trained once when its tests share one pytest-xdist worker, not once on each.
+pytestmark = pytest.mark.xdist_group("deepspeed")
+
+
 @pytest.fixture(scope="session")
 def deepspeed_installed():
     require_engine("deepspeed", "bash scripts/install.sh --tests", {"DS_ACCELERATOR": "cpu"})

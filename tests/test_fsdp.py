@@ -29,6 +29,10 @@ def resume_args(tiny_data):
     return ["--data", tiny_data, "-b", 32, "--warmup-epochs", 1, "--lr-step-size", 1] + FAST
 
 
+# Its module-scoped runs are trained once when its tests share one pytest-xdist worker, not once on each.
+pytestmark = pytest.mark.xdist_group("fsdp")
+
+
 @pytest.fixture(scope="module")
 def straight(tiny_data, tmp_path_factory):
     """2 epochs on 2 processes, straight through: (result, output dir)."""

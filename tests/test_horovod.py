@@ -20,6 +20,10 @@ SCRIPT = "horovod_distributed.py"
 RESUME = ["-b", 32, "--warmup-epochs", 1, "--lr-step-size", 1, "--val-batch-size", 8] + FAST
 
 
+# Its module-scoped runs are trained once when its tests share one pytest-xdist worker, not once on each.
+pytestmark = pytest.mark.xdist_group("horovod")
+
+
 @pytest.fixture(scope="session")
 def horovod():
     require_engine("horovod.torch", "bash scripts/install_horovod.sh")

@@ -13,6 +13,9 @@ NETNS = ["bash", str(REPO / "scripts" / "netns_hosts.sh")]
 HOSTS = [("cbhost0", "cb0", "10.77.0.1"), ("cbhost1", "cb1", "10.77.0.2")]
 MASTER = HOSTS[0][2]
 TORCHRUN = str(Path(PYTHON).parent / "torchrun")
+# One pair of network hosts on this machine (its fixture creates and deletes them): pytest-xdist runs these tests
+# on one worker.
+pytestmark = pytest.mark.xdist_group("netns")
 
 
 @pytest.fixture(scope="module", autouse=True)

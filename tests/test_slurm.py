@@ -20,6 +20,8 @@ CLUSTER = ["bash", str(REPO / "scripts" / "slurm_cluster.sh")]
 SBATCH_SMALL = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gpus-per-node=0", "--time=10"]
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING"}
 PROGRESS = "Epoch: [0][1/3]"  # the first step's progress line
+# One test cluster on this machine (its fixture starts and stops it): pytest-xdist runs these tests on one worker.
+pytestmark = pytest.mark.xdist_group("slurm")
 
 
 @pytest.fixture(scope="module", autouse=True)

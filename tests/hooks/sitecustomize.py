@@ -15,6 +15,8 @@ COOKBOOK_RECORD_WORKERS=D each DataLoader worker writes the command line of its 
                          started: a spawned interpreter's names spawn_main) to D/<pid>.txt;
 COOKBOOK_HIDE_DALI=1     nvidia.dali cannot be imported, as where it is not installed;
 COOKBOOK_CUDA_REPORT=DIR each process writes DIR/<its pid>: whether it started CUDA, as it exits.
+COOKBOOK_TINY_RESNET=1   --arch resnet_tiny exists: resnet18's stem and first block only (for --compile,
+                         whose inductor compiles resnet18 for minutes on a CPU, and a few blocks in seconds).
 """
 import os
 import signal
@@ -110,3 +112,20 @@ if "COOKBOOK_CUDA_REPORT" in os.environ:
             f.write(str(torch.cuda.is_initialized()))
 
     atexit.register(report_cuda)
+
+if os.environ.get("COOKBOOK_TINY_RESNET") == "1":
+    import torch.nn as nn
+    import torchvision
+    from torchvision.models.resnet import BasicBlock
+
+    class TinyResNet(torchvision.models.ResNet):
+        def __init__(self, num_classes=1000, norm_layer=None):
+            super().__init__(BasicBlock, [1, 1, 1, 1], num_classes=num_classes, norm_layer=norm_layer)
+            self.layer2 = self.layer3 = self.layer4 = nn.Identity()
+            self.fc = nn.Linear(64, num_classes)
+
+    def resnet_tiny(**kwargs):
+        return TinyResNet(**kwargs)
+
+    resnet_tiny.__module__ = "torchvision.models.resnet"  # list_models(module=torchvision.models) lists it
+    torchvision.models._api.register_model()(resnet_tiny)
