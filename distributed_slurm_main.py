@@ -272,6 +272,8 @@ def leave_process_group():
 # ---- helpers shared by every script: skip them on a first read ----
 # Byte-identical in every script (tests/test_consistency.py); tools/sync_shared.py copies a change.
 
+# ---- flags and errors: the shared flags, one error line for bad input, rank 0's output ----
+
 class UsageError(Exception):
     """Bad input that every rank meets: global rank 0 reports it in one line, without a traceback."""
 
@@ -300,14 +302,6 @@ def log(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
-def summary(kind, **fields):
-    """One machine-readable JSON line (rank 0), for statistics.sh and the tests; in metrics.jsonl too."""
-    log(f"{kind} " + json.dumps(fields))
-    # An epoch's SUMMARY comes after its last step: it sits at the next epoch's start (DONE: where training ended).
-    position = (fields["epoch"] + 1, 0) if kind == "SUMMARY" and "epoch" in fields else METRICS.get("position")
-    write_metrics(kind, position, **fields)
-
-
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):  # one line and exit 2, as for any bad input, not the usage text too
         report(UsageError(message))
@@ -324,6 +318,15 @@ def number(kind, low, high=None, open_low=False):
         return value
     parse.__name__, parse.bounds = kind.__name__, (low, high)  # argparse names the type in its errors
     return parse
+
+
+def step_range(text):
+    """argparse type of --profile: START:STOP, 2 <= START <= STOP (step START - 1 warms the profiler up)."""
+    start, _, stop = text.partition(":")
+    if not (start.isdigit() and stop.isdigit() and 2 <= int(start) <= int(stop)):
+        raise argparse.ArgumentTypeError(f"'{text}' is not START:STOP with 2 <= START <= STOP: the step before START "
+                                         "warms the profiler up (the first pays one-time costs too)")
+    return int(start), int(stop)
 
 
 def training_arguments(description):
@@ -380,6 +383,8 @@ def training_arguments(description):
     return parser
 
 
+# ---- set-up: seeds, devices, the process group, the output directory ----
+
 def seed_everything(seed):
     """--seed: seeded generators and deterministic kernels; without it, cuDNN picks the fastest ones."""
     if seed is None:
@@ -389,151 +394,6 @@ def seed_everything(seed):
     random.seed(seed)
     torch.manual_seed(seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
-
-
-STOP_SIGNALS = []  # the stop signals this process received (stop_on_signals)
-
-
-class Stopped(Exception):
-    """Every rank stopped training after the same step, on a signal, and rank 0 wrote a checkpoint."""
-
-
-def join_process_group(device, args, port_hint, **kwargs):
-    """init_process_group: nccl on GPUs, gloo on the CPU (or --dist-backend's); device_id binds an NCCL group
-    to this GPU. A rendezvous that fails is one error line; port_hint: what to do if the port is in use."""
-    backend = args.dist_backend or dist.get_default_backend_for_device(device)
-    if backend == "nccl" and device.type != "cuda":
-        raise UsageError("--dist-backend nccl needs GPUs: leave it out on the CPU (gloo)")
-    try:
-        dist.init_process_group(backend, device_id=device if backend == "nccl" else None,
-                                timeout=timedelta(seconds=args.dist_timeout), **kwargs)
-    except dist.DistNetworkError as e:
-        raise UsageError(f"cannot join the process group at {os.environ.get('MASTER_ADDR')}:"
-                         f"{os.environ.get('MASTER_PORT')} ({str(e).splitlines()[0]}): if the port is in use "
-                         f"{port_hint}") from None
-
-
-# What a collective raises where a peer process has exited (crashed, killed, or stopped on its error):
-# gloo's closed or reset connection (tcp/pair.cc), NCCL's remote error or aborted communicator, Horovod's
-# shutdown. Matched narrowly: any other RuntimeError is a bug, shown with its traceback.
-PEER_EXITED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ncclRemoteError",
-               "NCCL communicator was aborted", "Horovod has been shut down")
-
-
-# @record: under torchrun, an uncaught exception's traceback goes into torchrun's failure summary,
-# which otherwise only says "To enable traceback see ...".
-@record
-def run(main_worker, args):
-    """Train, and end the way launchers and schedulers understand: bad input is one error line and exit
-    2; a stop signal, exit 143 once the checkpoint is written; a timed-out collective, one line naming
-    the ranks that stalled and exit 1. Anything else is a bug: its traceback."""
-    try:
-        main_worker(args)
-        # FSDP's modules reach themselves through their hooks and state, so they outlive main_worker until
-        # a cyclic garbage collection. Left to the one at interpreter exit, their freeing (and that of the
-        # gloo work they hold) can abort the process (seen once in CI): free them now, while it is whole.
-        gc.collect()
-        # Then leave: the group's last reference, dropped here, destroys it without the GIL. Dropped by DDP's
-        # reducer at main_worker's return, it held the GIL while joining gloo's threads, one of which needed it
-        # to free a collective's tensors: a hang (torch 2.11, --profile: every run here).
-        leave_process_group()
-    except UsageError as e:
-        report(e)
-        sys.exit(2)
-    except Stopped:
-        leave_process_group()  # no rank leaves before rank 0 has written the checkpoint
-        sys.exit(143)  # 128 + SIGTERM, as if the signal had ended the process: not a success, so it is requeued
-    except RuntimeError as e:
-        if any(words in str(e) for words in PEER_EXITED):  # the peer's own line, or its launcher, says why
-            print(f"rank {RANK} stopped: another rank exited (its own message, or the launcher's report, says why)",
-                  file=sys.stderr, flush=True)
-            sys.exit(1)
-        # gloo's words for a timed-out collective: on the one that waited, or on a later one that
-        # found its connections closed by the timeout. NCCL's aborts the process instead (docs/operations.md).
-        if not (dist.is_initialized() and ("Timed out waiting" in str(e) or "Application timeout" in str(e))):
-            raise
-        stalled = stalled_ranks()
-        if not stalled:
-            raise
-        if RANK == min(set(range(dist.get_world_size())) - set(stalled)):  # one line, from the lowest live rank
-            print(f"error: rank(s) {', '.join(map(str, stalled))} stalled: the others waited --dist-timeout "
-                  f"{args.dist_timeout:g} s for them in a collective (a hang, a stopped process, or far slower "
-                  "work: py-spy dump shows where it is)", file=sys.stderr, flush=True)
-        sys.exit(1)
-
-
-def stalled_ranks(grace=5.0):
-    """After a collective timed out, the ranks that stalled.
-
-    The timed-out group's connections are closed, so every rank still alive checks in on the
-    rendezvous store instead (torchrun's, or rank 0's without it) and, after `grace` seconds for the
-    others to time out too, lists who did not. A store that does not answer is rank 0's: rank 0 stalled.
-    """
-    if "MASTER_ADDR" not in os.environ:  # a file:// rendezvous: no store to meet on
-        return []
-    key = f"cookbook/alive/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"  # one namespace per torchrun attempt
-    world_size, alive = dist.get_world_size(), []
-
-    def check_in():  # in a thread: a client of a stopped store waits for ever, whatever its timeout
-        try:
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                  timeout=timedelta(seconds=grace))
-            store.set(key + str(RANK), "1")
-            time.sleep(grace)
-            alive.extend(r for r in range(world_size) if store.check([key + str(r)]))
-        except dist.DistError:
-            pass
-
-    thread = threading.Thread(target=check_in, daemon=True)
-    thread.start()
-    thread.join(3 * grace)
-    return [r for r in range(world_size) if r not in alive] if alive else [0]
-
-
-def supervise(processes):
-    """A launcher's wait for the processes it started (mp.spawn(join=False)'s context). A stop signal sent
-    to the launcher is meant for the job (Slurm's may reach it alone): it is passed on to every process."""
-    for signum in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(signum, lambda received, frame: [os.kill(pid, received) for pid in processes.pids()])
-    try:
-        while not processes.join(grace_period=10):  # a bad flag fails them all: 10 s for rank 0 to say why
-            pass
-    except torch.multiprocessing.ProcessExitedException as e:  # a failed one printed its error; a killed one not
-        sys.exit(e.exit_code if e.exit_code > 0 else f"error: {e}")
-
-
-def stop_on_signals():
-    """SIGTERM (a launcher ending the job: torchrun passes it on, Slurm sends it on preemption) and
-    SIGUSR1 (Slurm's warning before the time limit, #SBATCH --signal) ask training to stop: the
-    ranks agree on a step at their next metrics reduction (train), checkpoint it and exit 143."""
-    for signum in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(signum, lambda received, frame: STOP_SIGNALS.append(received))
-    # The DataLoader workers ignore them (ignore_stop_signals), so multiprocessing's exit, which ends
-    # leftover workers by SIGTERM and then waits for them, would wait for ever: kill them first. A
-    # finalizer, not atexit: a process mp.spawn started ends through multiprocessing's exit alone.
-    multiprocessing.util.Finalize(None, lambda: [child.kill() for child in multiprocessing.active_children()],
-                                  exitpriority=0)
-
-
-def ignore_stop_signals(worker_id):
-    """DataLoader worker_init_fn: launchers signal a worker's whole process group, loader workers too,
-    which would die of it (torch's handler) before their trainer has stopped."""
-    for signum in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(signum, signal.SIG_IGN)
-
-
-def diverged(what, epoch, step, lr):
-    return UsageError(f"{what} in epoch {epoch} at step {step}: the training diverged (no checkpoint was written "
-                      f"since): lower --lr (the lr was {lr:g}), add --warmup-epochs, or train in float32")
-
-
-def check_finite(tensors, epoch, step, lr):
-    """Before a checkpoint is written: its weights are finite, on every rank (one small collective). Of
-    sharded weights each rank checks its own shards: an FSDP DTensor's local part, ZeRO 3's ds_tensor."""
-    tensors = [t.to_local() if hasattr(t, "to_local") else getattr(t, "ds_tensor", t) for t in tensors]
-    bad = all_reduce_sum(torch.stack([t.detach().isfinite().all().logical_not() for t in tensors]).sum().double())
-    if bad.item():
-        raise diverged("the weights are not finite", epoch, step, lr)
 
 
 def pick_device(args, local_rank, local_world_size):
@@ -594,7 +454,19 @@ def check_batch(args, world_size, replicas=1, sync_bn=False):
                          "or pass --norm group (or --sync-bn on GPUs)")
 
 
-OUTPUT_LOCK = []  # rank 0's open lock file of --output-dir, held for the whole run
+def join_process_group(device, args, port_hint, **kwargs):
+    """init_process_group: nccl on GPUs, gloo on the CPU (or --dist-backend's); device_id binds an NCCL group
+    to this GPU. A rendezvous that fails is one error line; port_hint: what to do if the port is in use."""
+    backend = args.dist_backend or dist.get_default_backend_for_device(device)
+    if backend == "nccl" and device.type != "cuda":
+        raise UsageError("--dist-backend nccl needs GPUs: leave it out on the CPU (gloo)")
+    try:
+        dist.init_process_group(backend, device_id=device if backend == "nccl" else None,
+                                timeout=timedelta(seconds=args.dist_timeout), **kwargs)
+    except dist.DistNetworkError as e:
+        raise UsageError(f"cannot join the process group at {os.environ.get('MASTER_ADDR')}:"
+                         f"{os.environ.get('MASTER_PORT')} ({str(e).splitlines()[0]}): if the port is in use "
+                         f"{port_hint}") from None
 
 
 def check_output_dir(args):
@@ -611,6 +483,9 @@ def check_output_dir(args):
     problem = all_gather_objects(problem)[0]
     if problem:
         raise UsageError(problem)
+
+
+OUTPUT_LOCK = []  # rank 0's open lock file of --output-dir, held for the whole run
 
 
 def claim_output_dir(args):
@@ -641,47 +516,6 @@ def claim_output_dir(args):
                          "pass --resume auto to continue that run, or another --output-dir for a new one")
 
 
-# Above this share of an epoch's training time spent waiting for batches, the input pipeline, not the
-# model, limits the run: removing the wait would make it up to 1 / (1 - 0.2) = 1.25x faster, worth acting
-# on. A run that is not input-bound waits a few percent (its workers fill their queues at each epoch's
-# first batch), well below it. The workers' start-up, once per run, is not counted (Progress.timed).
-DATA_STALL_SHARE = 0.2
-
-
-def common_seed(checkpoint, args):
-    """The seed every rank shuffles with, or their shares would not partition the data (collective): rank 0's
-    (--seed's or drawn), or a resumed run's checkpoint's, so that its epoch's order is the interrupted one."""
-    return checkpoint["args"]["seed"] if checkpoint else all_gather_objects(
-        int.from_bytes(os.urandom(4), "little") if args.seed is None else args.seed)[0]
-
-
-def report_epoch(epoch, val, world_size, device, args, trained=None, start=None, lr=None):
-    """The epoch's SUMMARY line (-e: the evaluation's), then a data stall, if the input limited the epoch.
-    trained: train()'s (metrics, seconds, seconds of data wait); start: the epoch's time.perf_counter()."""
-    fields = dict(method=METHOD, launcher=launcher_name(args), world_size=world_size, device=device.type, epoch=epoch)
-    if trained is None:
-        return summary("SUMMARY", **fields, **{f"val_{k}": v for k, v in val.items()})
-    metrics, train_time, data_wait = trained
-    summary("SUMMARY", **fields, train_loss=metrics["loss"], train_acc1=metrics["acc1"], val_loss=val["loss"],
-            val_acc1=val["acc1"], val_acc5=val["acc5"], val_count=val["count"],
-            epoch_time=round(time.perf_counter() - start, 3), images_per_sec=round(metrics["count"] / train_time, 1),
-            data_wait=round(data_wait / train_time, 4), lr=lr)
-    report_data_stall(data_wait, train_time, args)
-
-
-def report_data_stall(data_wait, train_time, args):
-    """One line (rank 0) after an epoch whose data-wait share exceeds DATA_STALL_SHARE, saying what to try."""
-    share = data_wait / max(train_time, 1e-9)
-    if share > DATA_STALL_SHARE:
-        log(f"=> data stall: {share:.0%} of this epoch's training time was spent waiting for batches (above "
-            f"{DATA_STALL_SHARE:.0%}): the input pipeline limits this run. Try more loader workers (-j, now "
-            f"{args.workers}), --data-backend dali, fewer augmentations, or a resized copy of the data "
-            "(tools/resize_dataset.py); benchmarks/input_pipeline.py measures what each costs per core")
-
-
-METRICS = {}  # rank 0's metrics log (open_metrics): its file, where training is, TensorBoard's writer
-
-
 def check_tensorboard(args):
     if args.tensorboard:
         try:
@@ -691,149 +525,14 @@ def check_tensorboard(args):
                              "(or drop --tensorboard: metrics.jsonl has the same metrics)") from None
 
 
-def open_metrics(args, epoch, step, steps_per_epoch):
-    """Rank 0, once it knows where training starts (epoch, step): --output-dir/metrics.jsonl keeps the
-    records up to there and loses those after it, which a resumed run repeats and would write twice
-    (rewritten atomically); then summary() and record_interval() append to it, one write() a line."""
-    if RANK != 0 or args.evaluate:
-        return
-    path, kept = os.path.join(args.output_dir, "metrics.jsonl"), []
-    if os.path.isfile(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:  # the last line of a run killed while writing it
-                    continue
-                if tuple(record["position"] or (0, 0)) <= (epoch, step):
-                    kept.append(json.dumps(record) + "\n")
-    with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
-    # O_APPEND and one os.write per record: a line is never interleaved or left half-buffered.
-    METRICS.update(fd=os.open(path, os.O_WRONLY | os.O_APPEND), position=(epoch, step),
-                   steps_per_epoch=max(1, steps_per_epoch))
-    if args.tensorboard:
-        from torch.utils.tensorboard import SummaryWriter
-        # purge_step: TensorBoard hides the events a previous run wrote from this step on.
-        METRICS["writer"] = SummaryWriter(os.path.join(args.output_dir, "tensorboard"),
-                                          purge_step=epoch * METRICS["steps_per_epoch"] + step)
+def common_seed(checkpoint, args):
+    """The seed every rank shuffles with, or their shares would not partition the data (collective): rank 0's
+    (--seed's or drawn), or a resumed run's checkpoint's, so that its epoch's order is the interrupted one."""
+    return checkpoint["args"]["seed"] if checkpoint else all_gather_objects(
+        int.from_bytes(os.urandom(4), "little") if args.seed is None else args.seed)[0]
 
 
-def write_metrics(kind, position, **fields):
-    """Append one record at training position (epoch, steps done in it) to metrics.jsonl (and TensorBoard)."""
-    if "fd" not in METRICS:
-        return
-    METRICS["position"] = position
-    try:
-        os.write(METRICS["fd"], (json.dumps({"kind": kind, "position": position, "time": round(time.time(), 3),
-                                             **fields}) + "\n").encode())
-    except OSError as e:  # a full disk or quota: one line, from rank 0, which writes it
-        raise UsageError(f"cannot write metrics.jsonl in --output-dir: {e.strerror} (free space there; "
-                         "checkpoints already there are intact)") from None
-    if "writer" in METRICS:
-        global_step = position[0] * METRICS["steps_per_epoch"] + position[1]
-        for key, value in fields.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                METRICS["writer"].add_scalar(f"{kind.lower()}/{key}", value, global_step)
-        METRICS["writer"].flush()
-
-
-def record_interval(epoch, step, step_time, data_time, metrics, lr):
-    """A print interval's progress line, as a metrics.jsonl record ("train")."""
-    write_metrics("train", (epoch, step), step_time=round(step_time, 4), data_time=round(data_time, 4),
-                  loss=metrics["loss"], acc1=metrics["acc1"], acc5=metrics["acc5"], lr=lr)
-
-
-def report_start(model, world_size, device, micro_batch, args, *collectives):
-    """The run's first lines: what trains where, and the bytes each rank sends per optimizer step. collectives:
-    (kind, dtype, count per step), an all_reduce, all_gather or reduce_scatter of every trainable parameter (or
-    its gradient) in dtype (a torch dtype's name, fp16/bf16, or None/"none": the parameter's own). Of B bytes,
-    ring algorithms (NCCL's, gloo's for large tensors) send 2(N-1)/N B from each rank in an all-reduce, (N-1)/N B
-    in an all-gather or a reduce-scatter. BatchNorm buffers and the metrics' few numbers are left out."""
-    log(f"=> {METHOD}: world size {world_size}, device {device.type}, arch {args.arch}, global batch "
-        f"{args.batch_size} ({micro_batch} per process x {args.grad_accum_steps} micro-batches), "
-        f"launcher {launcher_name(args)}")
-    params = [p for p in model.parameters() if p.requires_grad]
-    numel = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3 partitions keep the full size in ds_numel
-    sent, what = 0, []
-    for kind, dtype, count in collectives if world_size > 1 else []:
-        name = {"fp16": "float16", "bf16": "bfloat16", "none": None}.get(dtype, dtype)
-        dtype = getattr(torch, name) if name else None
-        size = sum(getattr(p, "ds_numel", p.numel()) * (dtype or p.dtype).itemsize for p in params)
-        sent += count * (2 if kind == "all_reduce" else 1) * (world_size - 1) * size // world_size
-        what.append(f"{count} x {kind} in {str(dtype or params[0].dtype).removeprefix('torch.')}")
-    log(f"=> communication: {sent:,} bytes ({sent / 2 ** 20:.1f} MiB) sent by each rank per optimizer step"
-        + (f" ({' + '.join(what)} of {numel:,} parameters, ring algorithms)" if what else " (one process)"))
-
-
-def step_range(text):
-    """argparse type of --profile: START:STOP, 2 <= START <= STOP (step START - 1 warms the profiler up)."""
-    start, _, stop = text.partition(":")
-    if not (start.isdigit() and stop.isdigit() and 2 <= int(start) <= int(stop)):
-        raise argparse.ArgumentTypeError(f"'{text}' is not START:STOP with 2 <= START <= STOP: the step before START "
-                                         "warms the profiler up (the first pays one-time costs too)")
-    return int(start), int(stop)
-
-
-PROFILE = {}  # --profile's torch.profiler while it runs
-
-
-def start_profile(args, device, epoch, step, steps_per_epoch):
-    """--profile: start torch.profiler, recording nothing before step START (steps of this run from 1)."""
-    if not args.profile or args.evaluate:
-        return
-    start, stop = args.profile
-    steps = (args.epochs - epoch) * steps_per_epoch - step
-    if stop > steps:
-        raise UsageError(f"--profile {start}:{stop}: this run has only {steps} optimizer steps: lower STOP (or "
-                         "raise --epochs)")
-
-    def write_trace(profiler):  # each rank its own timeline; tools/profile_split.py splits their step time
-        profiler.export_chrome_trace(os.path.join(args.output_dir, f"trace-rank{RANK}.json"))
-        PROFILE["written"] = True
-        log(f"=> profile: steps {start}..{stop} traced in {args.output_dir}/trace-rank<R>.json, one per rank; "
-            f"their split: python tools/profile_split.py {args.output_dir}")
-    kinds, gpu = torch.profiler.ProfilerActivity, device.type == "cuda"
-    PROFILE["profiler"] = torch.profiler.profile(
-        activities=[kinds.CPU] + [kinds.CUDA] * gpu, profile_memory=gpu, record_shapes=True, on_trace_ready=write_trace,
-        schedule=torch.profiler.schedule(wait=start - 2, warmup=1, active=stop - start + 1, repeat=1))
-    PROFILE["profiler"].start()
-
-
-def profile_step():
-    """After each optimizer step: the profiler's step boundary; it stops once the trace is written."""
-    if "profiler" in PROFILE:
-        PROFILE["profiler"].step()
-        if PROFILE.get("written"):
-            PROFILE.pop("profiler").stop()
-
-
-# What PIL raises for a file it cannot decode; DecompressionBombError (not an OSError) for one whose header
-# claims over twice Image.MAX_IMAGE_PIXELS (a bomb, or a photo too big to train on: resize it).
-UNREADABLE_IMAGE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
-
-
-def load_image(path, decoder="torchvision"):
-    """ImageFolder's loader. JPEGs and PNGs (CMYK, grey, palette, 16-bit; whatever the file's name says) are
-    decoded by torchvision.io into a uint8 CHW tensor, 1.4x faster per core than PIL's path on ImageNet's
-    sizes (benchmarks/input_pipeline.py); other formats, damaged files and all with --decoder pil by PIL
-    into an RGB image (the transforms take both), or an error names the file. PIL reads the header first,
-    no pixels: its decompression-bomb rule refuses a file before anything is decoded. EXIF rotation is not
-    applied (nor by PIL's loader, nor by DALI here)."""
-    try:
-        if decoder == "torchvision":
-            with Image.open(path) as header:
-                if header.format in ("JPEG", "PNG"):
-                    with contextlib.suppress(RuntimeError):  # a damaged file: PIL's error says what is wrong
-                        image = decode_image(read_file(path), ImageReadMode.RGB)
-                        return transforms.functional.to_dtype(image, torch.uint8, scale=True)  # 16-bit PNGs
-        return datasets.folder.pil_loader(path)
-    except UNREADABLE_IMAGE as e:
-        raise LocalError(f"cannot read image '{path}' ({e}): replace or delete the file") from None
-
+# ---- data: datasets, the model, samplers, loaders (torch's and DALI's), batches on the device ----
 
 def build_datasets(args):
     """Train and val datasets plus the class count; bad data directories raise UsageError."""
@@ -880,34 +579,48 @@ def build_datasets(args):
     return train, val, len(train.classes)
 
 
-@functools.cache
-def normalization(device, dtype):
-    """ImageNet's per-channel mean and std (of pixels in [0, 1]) as (1, 3, 1, 1) tensors on `device`, made once:
-    made each step, they would be a host-to-device copy each step."""
-    return tuple(torch.tensor(values, dtype=dtype, device=device).view(1, 3, 1, 1)
-                 for values in ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)))
+# What PIL raises for a file it cannot decode; DecompressionBombError (not an OSError) for one whose header
+# claims over twice Image.MAX_IMAGE_PIXELS (a bomb, or a photo too big to train on: resize it).
+UNREADABLE_IMAGE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
 
 
-def to_device(images, target, device):
-    """A batch onto the training device, normalised there. The loaders deliver uint8 images, as NVIDIA's and
-    timm's do: a 4x smaller host-to-device copy than float32, no float work in the loader's CPU workers. The
-    arithmetic is ToTensor + Normalize's, in the default float dtype; a float batch is taken to be in [0, 1]."""
-    images = images.to(device, non_blocking=True)
-    mean, std = normalization(images.device, torch.get_default_dtype())
-    if images.dtype == torch.uint8:
-        images = images.to(mean.dtype).div(255)
-    return (images - mean).div_(std), target.to(device, non_blocking=True)
+def load_image(path, decoder="torchvision"):
+    """ImageFolder's loader. JPEGs and PNGs (CMYK, grey, palette, 16-bit; whatever the file's name says) are
+    decoded by torchvision.io into a uint8 CHW tensor, 1.4x faster per core than PIL's path on ImageNet's
+    sizes (benchmarks/input_pipeline.py); other formats, damaged files and all with --decoder pil by PIL
+    into an RGB image (the transforms take both), or an error names the file. PIL reads the header first,
+    no pixels: its decompression-bomb rule refuses a file before anything is decoded. EXIF rotation is not
+    applied (nor by PIL's loader, nor by DALI here)."""
+    try:
+        if decoder == "torchvision":
+            with Image.open(path) as header:
+                if header.format in ("JPEG", "PNG"):
+                    with contextlib.suppress(RuntimeError):  # a damaged file: PIL's error says what is wrong
+                        image = decode_image(read_file(path), ImageReadMode.RGB)
+                        return transforms.functional.to_dtype(image, torch.uint8, scale=True)  # 16-bit PNGs
+        return datasets.folder.pil_loader(path)
+    except UNREADABLE_IMAGE as e:
+        raise LocalError(f"cannot read image '{path}' ({e}): replace or delete the file") from None
 
 
-def val_batches(loader, device, collective_model=None):
-    """The loader's batches on the device. collective_model: a model whose forward is a collective (FSDP, ZeRO 3
-    all-gather the parameters), which every rank must run as often as the rank with the most val batches
-    (shard_batches' counts differ by one at most): a rank out of batches forwards a discarded stand-in image."""
-    stand_ins = max(all_gather_objects(len(loader))) - len(loader) if collective_model else 0  # before a forward
-    for images, target in loader:
-        yield to_device(images, target, device)
-    for _ in range(stand_ins):
-        collective_model(torch.zeros(1, *loader.dataset[0][0].shape, device=device))
+class SyntheticImages(torch.utils.data.Dataset):
+    """--dummy: `count` random uint8 CHW images (as the image loaders give) and labels,
+    each drawn from a CPU generator seeded by its index: the same sample at any world size, worker count or
+    restart, and no GPU work (torchvision's FakeData calls torch.manual_seed per sample, which seeds every GPU)."""
+
+    def __init__(self, count, image_size, num_classes, offset=0):
+        self.count, self.shape, self.num_classes, self.offset = count, (3, image_size, image_size), num_classes, offset
+
+    def __len__(self):
+        return self.count
+
+    def __getitem__(self, index):
+        if not 0 <= index < self.count:
+            raise IndexError(f"sample {index} of {self.count}")
+        generator = torch.Generator().manual_seed(self.offset + index)
+        image = torch.randint(0, 256, self.shape, dtype=torch.uint8, generator=generator)
+        label = int(torch.randint(self.num_classes, (), generator=generator))
+        return image, label
 
 
 def build_model(args, num_classes):
@@ -930,24 +643,47 @@ def build_model(args, num_classes):
     return models.get_model(args.arch, **kwargs)
 
 
-class SyntheticImages(torch.utils.data.Dataset):
-    """--dummy: `count` random uint8 CHW images (as the image loaders give) and labels,
-    each drawn from a CPU generator seeded by its index: the same sample at any world size, worker count or
-    restart, and no GPU work (torchvision's FakeData calls torch.manual_seed per sample, which seeds every GPU)."""
+def build_loaders(args, train_set, val_set, world_size, rank, device, micro_batch):
+    """This rank's train sampler, train loader and val loader, of --data-backend's kind."""
+    train_set = SampleSeeded(train_set, args.seed)  # random crops and flips fixed per (seed, epoch, image)
+    # DistributedSampler gives each rank a disjoint 1/W of a permutation that depends only on
+    # (seed, epoch), so the ranks' micro-batches of one step together form the batch one process
+    # would take. drop_last: drop the tail instead of padding it with duplicates.
+    train_sampler = ResumableSampler(train_set, world_size, rank, seed=args.seed, drop_last=True)
+    # Exact evaluation: fixed batches dealt out to the ranks, without padding (shard_batches says why).
+    val_batches = shard_batches(len(val_set), world_size, rank, args.val_batch_size)
+    if args.data_backend == "dali":
+        train_batches = torch.utils.data.BatchSampler(train_sampler, max(1, micro_batch), drop_last=True)
+        train_loader = DaliLoader(train_set, train_batches, max(1, micro_batch), args, device)
+        check_steps(train_loader, train_set, args)
+        return train_sampler, train_loader, DaliLoader(val_set, val_batches, args.val_batch_size, args, device)
+    # Workers started by spawn (a fresh interpreter: fork + exec), once per run (persistent), never
+    # forked from this process, whose torch threads may hold locks a fork copies held for ever
+    # (CPython gh-112275: a hang at an epoch's start); not by forkserver, which a launcher's SIGTERM
+    # to the process group ends, and its workers with it, before the trainer has checkpointed.
+    loader_args = {"num_workers": args.workers, "pin_memory": device.type != "cpu",
+                   "worker_init_fn": ignore_stop_signals,
+                   **({"multiprocessing_context": "spawn", "persistent_workers": True} if args.workers else {})}
+    train_sampler.epoch, val_pending = None, []  # nothing to load yet
+    train_loader = torch.utils.data.DataLoader(train_set, max(1, micro_batch), sampler=EpochIndices(train_sampler),
+                                               generator=torch.Generator().manual_seed(args.seed + rank),
+                                               drop_last=True, **loader_args)
+    val_loader = torch.utils.data.DataLoader(val_set, batch_sampler=val_pending, **loader_args)
+    if args.workers:
+        # Start both loaders' workers now, not at their first batch: each is an interpreter importing torch
+        # (seconds), which then overlaps the rest of the set-up and the first epoch. The persistent
+        # workers stay; with nothing to load yet they load nothing that would be dropped.
+        for loader in (val_loader,) if args.evaluate else (train_loader, val_loader):
+            iter(loader)
+    val_pending += val_batches
+    check_steps(train_loader, train_set, args)
+    return train_sampler, train_loader, val_loader
 
-    def __init__(self, count, image_size, num_classes, offset=0):
-        self.count, self.shape, self.num_classes, self.offset = count, (3, image_size, image_size), num_classes, offset
 
-    def __len__(self):
-        return self.count
-
-    def __getitem__(self, index):
-        if not 0 <= index < self.count:
-            raise IndexError(f"sample {index} of {self.count}")
-        generator = torch.Generator().manual_seed(self.offset + index)
-        image = torch.randint(0, 256, self.shape, dtype=torch.uint8, generator=generator)
-        label = int(torch.randint(self.num_classes, (), generator=generator))
-        return image, label
+def check_steps(train_loader, train_set, args):
+    if len(train_loader) < args.grad_accum_steps and not args.evaluate:
+        raise UsageError(f"the train set ({len(train_set)} images) is smaller than one global batch "
+                         f"(-b {args.batch_size}): lower -b")
 
 
 class SampleSeeded(torch.utils.data.Dataset):
@@ -1015,49 +751,6 @@ def shard_batches(count, num_replicas, rank, batch_size):
     loop, so unequal shares are fine). Every image lands in the same batch at any world size: same rounding."""
     starts = range(rank * batch_size, count, num_replicas * batch_size)
     return [list(range(start, min(start + batch_size, count))) for start in starts]
-
-
-def build_loaders(args, train_set, val_set, world_size, rank, device, micro_batch):
-    """This rank's train sampler, train loader and val loader, of --data-backend's kind."""
-    train_set = SampleSeeded(train_set, args.seed)  # random crops and flips fixed per (seed, epoch, image)
-    # DistributedSampler gives each rank a disjoint 1/W of a permutation that depends only on
-    # (seed, epoch), so the ranks' micro-batches of one step together form the batch one process
-    # would take. drop_last: drop the tail instead of padding it with duplicates.
-    train_sampler = ResumableSampler(train_set, world_size, rank, seed=args.seed, drop_last=True)
-    # Exact evaluation: fixed batches dealt out to the ranks, without padding (shard_batches says why).
-    val_batches = shard_batches(len(val_set), world_size, rank, args.val_batch_size)
-    if args.data_backend == "dali":
-        train_batches = torch.utils.data.BatchSampler(train_sampler, max(1, micro_batch), drop_last=True)
-        train_loader = DaliLoader(train_set, train_batches, max(1, micro_batch), args, device)
-        check_steps(train_loader, train_set, args)
-        return train_sampler, train_loader, DaliLoader(val_set, val_batches, args.val_batch_size, args, device)
-    # Workers started by spawn (a fresh interpreter: fork + exec), once per run (persistent), never
-    # forked from this process, whose torch threads may hold locks a fork copies held for ever
-    # (CPython gh-112275: a hang at an epoch's start); not by forkserver, which a launcher's SIGTERM
-    # to the process group ends, and its workers with it, before the trainer has checkpointed.
-    loader_args = {"num_workers": args.workers, "pin_memory": device.type != "cpu",
-                   "worker_init_fn": ignore_stop_signals,
-                   **({"multiprocessing_context": "spawn", "persistent_workers": True} if args.workers else {})}
-    train_sampler.epoch, val_pending = None, []  # nothing to load yet
-    train_loader = torch.utils.data.DataLoader(train_set, max(1, micro_batch), sampler=EpochIndices(train_sampler),
-                                               generator=torch.Generator().manual_seed(args.seed + rank),
-                                               drop_last=True, **loader_args)
-    val_loader = torch.utils.data.DataLoader(val_set, batch_sampler=val_pending, **loader_args)
-    if args.workers:
-        # Start both loaders' workers now, not at their first batch: each is an interpreter importing torch
-        # (seconds), which then overlaps the rest of the set-up and the first epoch. The persistent
-        # workers stay; with nothing to load yet they load nothing that would be dropped.
-        for loader in (val_loader,) if args.evaluate else (train_loader, val_loader):
-            iter(loader)
-    val_pending += val_batches
-    check_steps(train_loader, train_set, args)
-    return train_sampler, train_loader, val_loader
-
-
-def check_steps(train_loader, train_set, args):
-    if len(train_loader) < args.grad_accum_steps and not args.evaluate:
-        raise UsageError(f"the train set ({len(train_set)} images) is smaller than one global batch "
-                         f"(-b {args.batch_size}): lower -b")
 
 
 def import_dali():
@@ -1188,31 +881,43 @@ class DaliLoader:
             yield batch
 
 
-class AverageMeter:
-    """Sums of loss, top-1 and top-5 hits and the sample count, on the training device: update() only queues
-    device work, nothing waits for the GPU until reduced() (once per print interval and epoch): no per-step sync.
-    The reduction carries the stop signals too: "stop" is true on every rank once one was asked to stop."""
+@functools.cache
+def normalization(device, dtype):
+    """ImageNet's per-channel mean and std (of pixels in [0, 1]) as (1, 3, 1, 1) tensors on `device`, made once:
+    made each step, they would be a host-to-device copy each step."""
+    return tuple(torch.tensor(values, dtype=dtype, device=device).view(1, 3, 1, 1)
+                 for values in ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)))
 
-    def __init__(self, device):
-        self.sums = torch.zeros(5, dtype=torch.float64, device=device)  # float64: exact enough at any world size
 
-    def update(self, loss_sum, correct1, correct5, count):
-        self.sums[:3] += torch.stack([loss_sum.double(), correct1.double(), correct5.double()])
-        self.sums[3] += count  # a Python number: a kernel argument, not a host-to-device copy
+def to_device(images, target, device):
+    """A batch onto the training device, normalised there. The loaders deliver uint8 images, as NVIDIA's and
+    timm's do: a 4x smaller host-to-device copy than float32, no float work in the loader's CPU workers. The
+    arithmetic is ToTensor + Normalize's, in the default float dtype; a float batch is taken to be in [0, 1]."""
+    images = images.to(device, non_blocking=True)
+    mean, std = normalization(images.device, torch.get_default_dtype())
+    if images.dtype == torch.uint8:
+        images = images.to(mean.dtype).div(255)
+    return (images - mean).div_(std), target.to(device, non_blocking=True)
 
-    def evaluated(self):
-        """The evaluation's metrics, reduced over ranks, and its line."""
-        metrics = self.reduced()
-        log(f" * Acc@1 {metrics['acc1']:.3f} Acc@5 {metrics['acc5']:.3f} Loss {metrics['loss']:.4f} "
-            f"({metrics['count']} images)")
-        return metrics
 
-    def reduced(self):
-        self.sums[4] = len(STOP_SIGNALS)
-        loss, correct1, correct5, count, stop = all_reduce_sum(self.sums.clone()).tolist()
-        per = max(count, 1)
-        return {"count": int(count), "loss": loss / per, "acc1": correct1 / per * 100, "acc5": correct5 / per * 100,
-                "stop": stop > 0}
+def val_batches(loader, device, collective_model=None):
+    """The loader's batches on the device. collective_model: a model whose forward is a collective (FSDP, ZeRO 3
+    all-gather the parameters), which every rank must run as often as the rank with the most val batches
+    (shard_batches' counts differ by one at most): a rank out of batches forwards a discarded stand-in image."""
+    stand_ins = max(all_gather_objects(len(loader))) - len(loader) if collective_model else 0  # before a forward
+    for images, target in loader:
+        yield to_device(images, target, device)
+    for _ in range(stand_ins):
+        collective_model(torch.zeros(1, *loader.dataset[0][0].shape, device=device))
+
+
+# ---- the training loop's bookkeeping: lr schedule, progress lines, meters, divergence ----
+
+def lr_schedule(args, steps_per_epoch):
+    """Factor on the base lr at optimizer step s: linear warmup, then pytorch/examples' step decay."""
+    warmup_steps = args.warmup_epochs * steps_per_epoch
+    return lambda step: (min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0) * args.lr_gamma ** (
+        step // steps_per_epoch // args.lr_step_size)
 
 
 class Progress:
@@ -1272,6 +977,33 @@ class Progress:
         return self.meter.reduced(), time.perf_counter() - self.start, self.data_wait
 
 
+class AverageMeter:
+    """Sums of loss, top-1 and top-5 hits and the sample count, on the training device: update() only queues
+    device work, nothing waits for the GPU until reduced() (once per print interval and epoch): no per-step sync.
+    The reduction carries the stop signals too: "stop" is true on every rank once one was asked to stop."""
+
+    def __init__(self, device):
+        self.sums = torch.zeros(5, dtype=torch.float64, device=device)  # float64: exact enough at any world size
+
+    def update(self, loss_sum, correct1, correct5, count):
+        self.sums[:3] += torch.stack([loss_sum.double(), correct1.double(), correct5.double()])
+        self.sums[3] += count  # a Python number: a kernel argument, not a host-to-device copy
+
+    def evaluated(self):
+        """The evaluation's metrics, reduced over ranks, and its line."""
+        metrics = self.reduced()
+        log(f" * Acc@1 {metrics['acc1']:.3f} Acc@5 {metrics['acc5']:.3f} Loss {metrics['loss']:.4f} "
+            f"({metrics['count']} images)")
+        return metrics
+
+    def reduced(self):
+        self.sums[4] = len(STOP_SIGNALS)
+        loss, correct1, correct5, count, stop = all_reduce_sum(self.sums.clone()).tolist()
+        per = max(count, 1)
+        return {"count": int(count), "loss": loss / per, "acc1": correct1 / per * 100, "acc5": correct5 / per * 100,
+                "stop": stop > 0}
+
+
 def correct_counts(output, target, topk=(1, 5)):
     """Number of samples whose target is among the top-k predictions, for each k (as tensors)."""
     maxk = min(max(topk), output.size(1))
@@ -1279,11 +1011,20 @@ def correct_counts(output, target, topk=(1, 5)):
     return [hits[:, :min(k, maxk)].any(dim=1).sum() for k in topk]
 
 
-def lr_schedule(args, steps_per_epoch):
-    """Factor on the base lr at optimizer step s: linear warmup, then pytorch/examples' step decay."""
-    warmup_steps = args.warmup_epochs * steps_per_epoch
-    return lambda step: (min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0) * args.lr_gamma ** (
-        step // steps_per_epoch // args.lr_step_size)
+def diverged(what, epoch, step, lr):
+    return UsageError(f"{what} in epoch {epoch} at step {step}: the training diverged (no checkpoint was written "
+                      f"since): lower --lr (the lr was {lr:g}), add --warmup-epochs, or train in float32")
+
+
+# ---- checkpoints: writing, sealing, choosing and loading them ----
+
+def check_finite(tensors, epoch, step, lr):
+    """Before a checkpoint is written: its weights are finite, on every rank (one small collective). Of
+    sharded weights each rank checks its own shards: an FSDP DTensor's local part, ZeRO 3's ds_tensor."""
+    tensors = [t.to_local() if hasattr(t, "to_local") else getattr(t, "ds_tensor", t) for t in tensors]
+    bad = all_reduce_sum(torch.stack([t.detach().isfinite().all().logical_not() for t in tensors]).sum().double())
+    if bad.item():
+        raise diverged("the weights are not finite", epoch, step, lr)
 
 
 def rng_state(devices):
@@ -1502,6 +1243,279 @@ def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_
             log(f"=> checkpoint has RNG state for {len(checkpoint['rng'])} ranks, not {world_size}: "
                 "data order stays exact, other random state is reseeded")
     return checkpoint["epoch"], checkpoint.get("step", 0), checkpoint["best_acc1"]
+
+
+# ---- metrics and profiling: the run's lines, metrics.jsonl, TensorBoard, torch.profiler ----
+
+def report_start(model, world_size, device, micro_batch, args, *collectives):
+    """The run's first lines: what trains where, and the bytes each rank sends per optimizer step. collectives:
+    (kind, dtype, count per step), an all_reduce, all_gather or reduce_scatter of every trainable parameter (or
+    its gradient) in dtype (a torch dtype's name, fp16/bf16, or None/"none": the parameter's own). Of B bytes,
+    ring algorithms (NCCL's, gloo's for large tensors) send 2(N-1)/N B from each rank in an all-reduce, (N-1)/N B
+    in an all-gather or a reduce-scatter. BatchNorm buffers and the metrics' few numbers are left out."""
+    log(f"=> {METHOD}: world size {world_size}, device {device.type}, arch {args.arch}, global batch "
+        f"{args.batch_size} ({micro_batch} per process x {args.grad_accum_steps} micro-batches), "
+        f"launcher {launcher_name(args)}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    numel = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3 partitions keep the full size in ds_numel
+    sent, what = 0, []
+    for kind, dtype, count in collectives if world_size > 1 else []:
+        name = {"fp16": "float16", "bf16": "bfloat16", "none": None}.get(dtype, dtype)
+        dtype = getattr(torch, name) if name else None
+        size = sum(getattr(p, "ds_numel", p.numel()) * (dtype or p.dtype).itemsize for p in params)
+        sent += count * (2 if kind == "all_reduce" else 1) * (world_size - 1) * size // world_size
+        what.append(f"{count} x {kind} in {str(dtype or params[0].dtype).removeprefix('torch.')}")
+    log(f"=> communication: {sent:,} bytes ({sent / 2 ** 20:.1f} MiB) sent by each rank per optimizer step"
+        + (f" ({' + '.join(what)} of {numel:,} parameters, ring algorithms)" if what else " (one process)"))
+
+
+METRICS = {}  # rank 0's metrics log (open_metrics): its file, where training is, TensorBoard's writer
+
+
+def summary(kind, **fields):
+    """One machine-readable JSON line (rank 0), for statistics.sh and the tests; in metrics.jsonl too."""
+    log(f"{kind} " + json.dumps(fields))
+    # An epoch's SUMMARY comes after its last step: it sits at the next epoch's start (DONE: where training ended).
+    position = (fields["epoch"] + 1, 0) if kind == "SUMMARY" and "epoch" in fields else METRICS.get("position")
+    write_metrics(kind, position, **fields)
+
+
+def report_epoch(epoch, val, world_size, device, args, trained=None, start=None, lr=None):
+    """The epoch's SUMMARY line (-e: the evaluation's), then a data stall, if the input limited the epoch.
+    trained: train()'s (metrics, seconds, seconds of data wait); start: the epoch's time.perf_counter()."""
+    fields = dict(method=METHOD, launcher=launcher_name(args), world_size=world_size, device=device.type, epoch=epoch)
+    if trained is None:
+        return summary("SUMMARY", **fields, **{f"val_{k}": v for k, v in val.items()})
+    metrics, train_time, data_wait = trained
+    summary("SUMMARY", **fields, train_loss=metrics["loss"], train_acc1=metrics["acc1"], val_loss=val["loss"],
+            val_acc1=val["acc1"], val_acc5=val["acc5"], val_count=val["count"],
+            epoch_time=round(time.perf_counter() - start, 3), images_per_sec=round(metrics["count"] / train_time, 1),
+            data_wait=round(data_wait / train_time, 4), lr=lr)
+    report_data_stall(data_wait, train_time, args)
+
+
+# Above this share of an epoch's training time spent waiting for batches, the input pipeline, not the
+# model, limits the run: removing the wait would make it up to 1 / (1 - 0.2) = 1.25x faster, worth acting
+# on. A run that is not input-bound waits a few percent (its workers fill their queues at each epoch's
+# first batch), well below it. The workers' start-up, once per run, is not counted (Progress.timed).
+DATA_STALL_SHARE = 0.2
+
+
+def report_data_stall(data_wait, train_time, args):
+    """One line (rank 0) after an epoch whose data-wait share exceeds DATA_STALL_SHARE, saying what to try."""
+    share = data_wait / max(train_time, 1e-9)
+    if share > DATA_STALL_SHARE:
+        log(f"=> data stall: {share:.0%} of this epoch's training time was spent waiting for batches (above "
+            f"{DATA_STALL_SHARE:.0%}): the input pipeline limits this run. Try more loader workers (-j, now "
+            f"{args.workers}), --data-backend dali, fewer augmentations, or a resized copy of the data "
+            "(tools/resize_dataset.py); benchmarks/input_pipeline.py measures what each costs per core")
+
+
+def open_metrics(args, epoch, step, steps_per_epoch):
+    """Rank 0, once it knows where training starts (epoch, step): --output-dir/metrics.jsonl keeps the
+    records up to there and loses those after it, which a resumed run repeats and would write twice
+    (rewritten atomically); then summary() and record_interval() append to it, one write() a line."""
+    if RANK != 0 or args.evaluate:
+        return
+    path, kept = os.path.join(args.output_dir, "metrics.jsonl"), []
+    if os.path.isfile(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:  # the last line of a run killed while writing it
+                    continue
+                if tuple(record["position"] or (0, 0)) <= (epoch, step):
+                    kept.append(json.dumps(record) + "\n")
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    # O_APPEND and one os.write per record: a line is never interleaved or left half-buffered.
+    METRICS.update(fd=os.open(path, os.O_WRONLY | os.O_APPEND), position=(epoch, step),
+                   steps_per_epoch=max(1, steps_per_epoch))
+    if args.tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+        # purge_step: TensorBoard hides the events a previous run wrote from this step on.
+        METRICS["writer"] = SummaryWriter(os.path.join(args.output_dir, "tensorboard"),
+                                          purge_step=epoch * METRICS["steps_per_epoch"] + step)
+
+
+def write_metrics(kind, position, **fields):
+    """Append one record at training position (epoch, steps done in it) to metrics.jsonl (and TensorBoard)."""
+    if "fd" not in METRICS:
+        return
+    METRICS["position"] = position
+    try:
+        os.write(METRICS["fd"], (json.dumps({"kind": kind, "position": position, "time": round(time.time(), 3),
+                                             **fields}) + "\n").encode())
+    except OSError as e:  # a full disk or quota: one line, from rank 0, which writes it
+        raise UsageError(f"cannot write metrics.jsonl in --output-dir: {e.strerror} (free space there; "
+                         "checkpoints already there are intact)") from None
+    if "writer" in METRICS:
+        global_step = position[0] * METRICS["steps_per_epoch"] + position[1]
+        for key, value in fields.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                METRICS["writer"].add_scalar(f"{kind.lower()}/{key}", value, global_step)
+        METRICS["writer"].flush()
+
+
+def record_interval(epoch, step, step_time, data_time, metrics, lr):
+    """A print interval's progress line, as a metrics.jsonl record ("train")."""
+    write_metrics("train", (epoch, step), step_time=round(step_time, 4), data_time=round(data_time, 4),
+                  loss=metrics["loss"], acc1=metrics["acc1"], acc5=metrics["acc5"], lr=lr)
+
+
+PROFILE = {}  # --profile's torch.profiler while it runs
+
+
+def start_profile(args, device, epoch, step, steps_per_epoch):
+    """--profile: start torch.profiler, recording nothing before step START (steps of this run from 1)."""
+    if not args.profile or args.evaluate:
+        return
+    start, stop = args.profile
+    steps = (args.epochs - epoch) * steps_per_epoch - step
+    if stop > steps:
+        raise UsageError(f"--profile {start}:{stop}: this run has only {steps} optimizer steps: lower STOP (or "
+                         "raise --epochs)")
+
+    def write_trace(profiler):  # each rank its own timeline; tools/profile_split.py splits their step time
+        profiler.export_chrome_trace(os.path.join(args.output_dir, f"trace-rank{RANK}.json"))
+        PROFILE["written"] = True
+        log(f"=> profile: steps {start}..{stop} traced in {args.output_dir}/trace-rank<R>.json, one per rank; "
+            f"their split: python tools/profile_split.py {args.output_dir}")
+    kinds, gpu = torch.profiler.ProfilerActivity, device.type == "cuda"
+    PROFILE["profiler"] = torch.profiler.profile(
+        activities=[kinds.CPU] + [kinds.CUDA] * gpu, profile_memory=gpu, record_shapes=True, on_trace_ready=write_trace,
+        schedule=torch.profiler.schedule(wait=start - 2, warmup=1, active=stop - start + 1, repeat=1))
+    PROFILE["profiler"].start()
+
+
+def profile_step():
+    """After each optimizer step: the profiler's step boundary; it stops once the trace is written."""
+    if "profiler" in PROFILE:
+        PROFILE["profiler"].step()
+        if PROFILE.get("written"):
+            PROFILE.pop("profiler").stop()
+
+
+# ---- exit: exit codes, stalled ranks, stop signals, the final model's digest ----
+
+class Stopped(Exception):
+    """Every rank stopped training after the same step, on a signal, and rank 0 wrote a checkpoint."""
+
+
+# What a collective raises where a peer process has exited (crashed, killed, or stopped on its error):
+# gloo's closed or reset connection (tcp/pair.cc), NCCL's remote error or aborted communicator, Horovod's
+# shutdown. Matched narrowly: any other RuntimeError is a bug, shown with its traceback.
+PEER_EXITED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ncclRemoteError",
+               "NCCL communicator was aborted", "Horovod has been shut down")
+
+
+# @record: under torchrun, an uncaught exception's traceback goes into torchrun's failure summary,
+# which otherwise only says "To enable traceback see ...".
+@record
+def run(main_worker, args):
+    """Train, and end the way launchers and schedulers understand: bad input is one error line and exit
+    2; a stop signal, exit 143 once the checkpoint is written; a timed-out collective, one line naming
+    the ranks that stalled and exit 1. Anything else is a bug: its traceback."""
+    try:
+        main_worker(args)
+        # FSDP's modules reach themselves through their hooks and state, so they outlive main_worker until
+        # a cyclic garbage collection. Left to the one at interpreter exit, their freeing (and that of the
+        # gloo work they hold) can abort the process (seen once in CI): free them now, while it is whole.
+        gc.collect()
+        # Then leave: the group's last reference, dropped here, destroys it without the GIL. Dropped by DDP's
+        # reducer at main_worker's return, it held the GIL while joining gloo's threads, one of which needed it
+        # to free a collective's tensors: a hang (torch 2.11, --profile: every run here).
+        leave_process_group()
+    except UsageError as e:
+        report(e)
+        sys.exit(2)
+    except Stopped:
+        leave_process_group()  # no rank leaves before rank 0 has written the checkpoint
+        sys.exit(143)  # 128 + SIGTERM, as if the signal had ended the process: not a success, so it is requeued
+    except RuntimeError as e:
+        if any(words in str(e) for words in PEER_EXITED):  # the peer's own line, or its launcher, says why
+            print(f"rank {RANK} stopped: another rank exited (its own message, or the launcher's report, says why)",
+                  file=sys.stderr, flush=True)
+            sys.exit(1)
+        # gloo's words for a timed-out collective: on the one that waited, or on a later one that
+        # found its connections closed by the timeout. NCCL's aborts the process instead (docs/operations.md).
+        if not (dist.is_initialized() and ("Timed out waiting" in str(e) or "Application timeout" in str(e))):
+            raise
+        stalled = stalled_ranks()
+        if not stalled:
+            raise
+        if RANK == min(set(range(dist.get_world_size())) - set(stalled)):  # one line, from the lowest live rank
+            print(f"error: rank(s) {', '.join(map(str, stalled))} stalled: the others waited --dist-timeout "
+                  f"{args.dist_timeout:g} s for them in a collective (a hang, a stopped process, or far slower "
+                  "work: py-spy dump shows where it is)", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def stalled_ranks(grace=5.0):
+    """After a collective timed out, the ranks that stalled.
+
+    The timed-out group's connections are closed, so every rank still alive checks in on the
+    rendezvous store instead (torchrun's, or rank 0's without it) and, after `grace` seconds for the
+    others to time out too, lists who did not. A store that does not answer is rank 0's: rank 0 stalled.
+    """
+    if "MASTER_ADDR" not in os.environ:  # a file:// rendezvous: no store to meet on
+        return []
+    key = f"cookbook/alive/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"  # one namespace per torchrun attempt
+    world_size, alive = dist.get_world_size(), []
+
+    def check_in():  # in a thread: a client of a stopped store waits for ever, whatever its timeout
+        try:
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                  timeout=timedelta(seconds=grace))
+            store.set(key + str(RANK), "1")
+            time.sleep(grace)
+            alive.extend(r for r in range(world_size) if store.check([key + str(r)]))
+        except dist.DistError:
+            pass
+
+    thread = threading.Thread(target=check_in, daemon=True)
+    thread.start()
+    thread.join(3 * grace)
+    return [r for r in range(world_size) if r not in alive] if alive else [0]
+
+
+def supervise(processes):
+    """A launcher's wait for the processes it started (mp.spawn(join=False)'s context). A stop signal sent
+    to the launcher is meant for the job (Slurm's may reach it alone): it is passed on to every process."""
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, lambda received, frame: [os.kill(pid, received) for pid in processes.pids()])
+    try:
+        while not processes.join(grace_period=10):  # a bad flag fails them all: 10 s for rank 0 to say why
+            pass
+    except torch.multiprocessing.ProcessExitedException as e:  # a failed one printed its error; a killed one not
+        sys.exit(e.exit_code if e.exit_code > 0 else f"error: {e}")
+
+
+STOP_SIGNALS = []  # the stop signals this process received (stop_on_signals)
+
+
+def stop_on_signals():
+    """SIGTERM (a launcher ending the job: torchrun passes it on, Slurm sends it on preemption) and
+    SIGUSR1 (Slurm's warning before the time limit, #SBATCH --signal) ask training to stop: the
+    ranks agree on a step at their next metrics reduction (train), checkpoint it and exit 143."""
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, lambda received, frame: STOP_SIGNALS.append(received))
+    # The DataLoader workers ignore them (ignore_stop_signals), so multiprocessing's exit, which ends
+    # leftover workers by SIGTERM and then waits for them, would wait for ever: kill them first. A
+    # finalizer, not atexit: a process mp.spawn started ends through multiprocessing's exit alone.
+    multiprocessing.util.Finalize(None, lambda: [child.kill() for child in multiprocessing.active_children()],
+                                  exitpriority=0)
+
+
+def ignore_stop_signals(worker_id):
+    """DataLoader worker_init_fn: launchers signal a worker's whole process group, loader workers too,
+    which would die of it (torch's handler) before their trainer has stopped."""
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def state_digest(model):
