@@ -472,7 +472,9 @@ def claim_output_dir(args):
         os.makedirs(args.output_dir, exist_ok=True)
         tempfile.TemporaryFile(dir=args.output_dir).close()
         OUTPUT_LOCK.append(open(os.path.join(args.output_dir, ".lock"), "a"))
-        open(os.path.join(args.output_dir, "metrics.jsonl"), "a").close()  # open_metrics writes it after set-up
+        metrics = os.path.join(args.output_dir, "metrics.jsonl")
+        if os.path.lexists(metrics):  # open_metrics appends to it after set-up: a directory there fails now
+            open(metrics, "a").close()
     except OSError as e:
         raise UsageError(f"cannot write checkpoints to --output-dir '{args.output_dir}': {e.strerror}"
                          + (f" ('{e.filename}')" if e.filename else "")) from None
