@@ -129,7 +129,7 @@ def read_rows(record):
     return [json.loads(line) for line in open(record)] if record.exists() else []
 
 
-def benchmark_rows(args, engines):
+def benchmark_rows(engines):
     """(name, script, flags, yardstick row name or None); the bare loops come first, their yardsticks."""
     amp = ["--channels-last", "on", "--amp-dtype", "float16"]
     rows = [("bare loop, fp32", "benchmarks/bare_ddp.py", [], None),
@@ -156,7 +156,7 @@ def run_benchmark(state, args, out, logs):
     workload = ["--dummy", "--dummy-samples", args.batch * args.steps, "-b", args.batch, "--epochs", 2,
                 "-a", "resnet50", "--image-size", 224, "-j", args.workers, "-p", 1000]
     bench["status"] = "running"
-    for name, script, flags, yardstick in benchmark_rows(args, state["engines"]):
+    for name, script, flags, yardstick in benchmark_rows(state["engines"]):
         if "-a" in flags:  # the reference row's own model
             i = workload.index("-a")
             command = workload[:i] + workload[i + 2:] + flags

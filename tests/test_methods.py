@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torchvision
 
 from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, OVERFLOW_AT_STEP_1, REPO, assert_bf16_follows_float32,
                       assert_same_checkpoints, bad_inputs, check_first_step_skipped, float64_weights, free_port,
