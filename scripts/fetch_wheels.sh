@@ -5,11 +5,11 @@
 #   bash scripts/fetch_wheels.sh DIR [--python-version 3.12] [--platform manylinux_2_28_x86_64]
 #
 # DIR gets: DeepSpeed 0.19.8 as a pure-Python wheel (built here with DS_BUILD_OPS=0: it compiles no op,
-# so one wheel fits every CUDA), the wheels DeepSpeed, pytest and pytest-xdist need for the target's
-# Python version and platform, except torch (the site's own is used), and requirements.txt naming
-# what --wheels installs. Also Horovod's sdist with its build's Python dependencies: it compiles
-# against the target's torch and nvcc there (PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR bash
-# scripts/install_horovod.sh PYTHON). NVIDIA DALI is left out: its wheel is over 500 MB. Needs a
+# so one wheel fits every CUDA), the wheels DeepSpeed, pytest and pytest-xdist (requirements-dev.txt's
+# versions) need for the target's Python version and platform, except torch (the site's own is used),
+# and requirements.txt naming what --wheels installs. Also Horovod's sdist with its build's Python
+# dependencies: it compiles against the target's torch and nvcc there (PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR
+# bash scripts/install_horovod.sh PYTHON). NVIDIA DALI is left out: its wheel is over 500 MB. Needs a
 # python with torch here (DeepSpeed's setup.py imports it): $PYTHON, else .venv/bin/python.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -35,8 +35,8 @@ DS_BUILD_OPS=0 "${pip[@]}" wheel --quiet --no-deps --no-build-isolation -w "$dir
 target=(--only-binary=:all: --python-version "$pyver" --implementation cp --platform "$platform"
         --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 "${pip[@]}" download --quiet "${target[@]}" -d "$dir" einops hjson msgpack ninja numpy packaging psutil py-cpuinfo \
-    pydantic tqdm nvidia-ml-py pytest pytest-xdist
+    pydantic tqdm nvidia-ml-py pytest==8.4.2 pytest-xdist==3.8.0
 "${pip[@]}" download --quiet --no-deps --no-binary=:all: -d "$dir" horovod==0.28.1
 "${pip[@]}" download --quiet "${target[@]}" -d "$dir" cloudpickle psutil pyyaml packaging cffi
-printf '%s\n' deepspeed==0.19.8 pytest pytest-xdist > "$dir/requirements.txt"
+printf '%s\n' deepspeed==0.19.8 pytest==8.4.2 pytest-xdist==3.8.0 > "$dir/requirements.txt"
 echo "fetch_wheels.sh: $dir holds $(ls "$dir" | wc -l) files, $(du -sh "$dir" | cut -f1), for Python $pyver on $platform"
