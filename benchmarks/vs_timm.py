@@ -71,8 +71,7 @@ PEERS = REPO / "benchmarks" / "peers"
 # A progress line: its epoch (from 0) and step; timm's step counts from 0, the others' from 1.
 EPOCH_LINE = re.compile(r"Epoch: \[(?P<epoch>\d+)\]\[\s*(?P<step>\d+)/(?P<steps>\d+)\]")
 TIMM_LINE = re.compile(r"Train: (?P<epoch>\d+) \[\s*(?P<step>\d+)/(?P<steps>\d+)")
-PAIRS = {"fast": "{} autocast, channels_last", "compiled": "{} autocast, channels_last, torch.compile",
-         "plain": "fp32, 224 px"}
+PAIRS = {"fast": "{}, channels_last", "compiled": "{}, channels_last, torch.compile", "plain": "fp32, 224 px"}
 GOAL = 1.10
 
 
@@ -195,11 +194,12 @@ def run(command, cwd, log, timeout):
         status = proc.wait(timeout=max(1.0, timeout))
     except subprocess.TimeoutExpired:
         status = "timed out"
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # loader workers a failed run left behind, or the timed-out run
-    except ProcessLookupError:
-        pass
-    proc.wait()
+    finally:  # also when this script is stopped (SIGTERM, Ctrl-C): the run is in a session of its own
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # loader workers a failed run left behind, or the timed-out run
+        except ProcessLookupError:
+            pass
+        proc.wait()
     reader.join(timeout=30)  # the pipe closes once the process group is gone
     log.write_text("".join(f"{t:9.3f} {line}" for t, line in lines))
     return status, lines, time.monotonic() - start
@@ -272,7 +272,8 @@ def summarise(state, args):
                  for side in ("ours", "peer")}
         both = [n for n in range(1, args.rounds + 1)
                 if {r["side"] for r in rows if r["round"] == n and r.get("images_per_sec")} == {"ours", "peer"}]
-        result = {"pair": f"{pair} ({PAIRS[pair].format(args.amp_dtype)})", "ours": names["ours"],
+        autocast = f"{args.amp_dtype} autocast" if args.amp_dtype != "float32" else "fp32"
+        result = {"pair": f"{pair} ({PAIRS[pair].format(autocast)})", "ours": names["ours"],
                   "peer": names["peer"], "rounds": both, "result": state["skipped"].get(pair, "no round measured both")}
         if both:
             rate = {side: statistics.median(r["images_per_sec"] for r in rows if r["side"] == side
@@ -307,6 +308,9 @@ def main(argv=None):
     if args.timm_loop:
         return timm_loop(args)
     deadline = time.monotonic() + args.time_budget
+    # Stopped from outside (timeout's SIGTERM), it exits through run()'s clean-up: no training left running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"error: stopped by SIGTERM; what was measured is in "
+                                                       f"{args.output_dir / 'vs_timm.md'}"))
     # The GPU's name from a child: in this process CUDA would hold GPU memory for the whole run.
     probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available() and "
                             "torch.cuda.get_device_name())"], capture_output=True, text=True)
@@ -359,8 +363,9 @@ def main(argv=None):
                                "log": f"logs/{n}-{pair}-{name.replace(' ', '-')}.log", "command": " ".join(
                                    ["python"] + [str(c).replace(scratch, "SCRATCH") for c in command[1:]])}
                         if walls.get((pair, name), 30) > left:  # 30 s: less than any run takes
-                            row["result"] = f"skipped: {left:.0f} s of --time-budget left"
+                            row.update(result=f"skipped: {max(0, left):.0f} s of --time-budget left", log="")
                             state["runs"].append(row)
+                            print(f"round {n}, {pair}: {name}: {row['result']}", flush=True)
                             break
                         status, lines, row["wall"] = run(command, cwd, args.output_dir / row["log"],
                                                          min(args.run_timeout, left))
