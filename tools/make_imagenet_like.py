@@ -21,9 +21,12 @@ are learnable. Deterministic: image i of a split depends only on (--seed, split,
 
     python tools/make_imagenet_like.py                               # data/imagenet-like: 2000 train, 200 val
     python tools/make_imagenet_like.py --out /tmp/i --train-count 20 --val-count 10 --classes 2
+
+-j N writes the images in N processes (default: one per core); the files are the same at any N.
 """
 import argparse
 import json
+import multiprocessing
 import os
 import sys
 
@@ -42,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--classes", type=int, default=10, help="class folders (default: 10)")
     p.add_argument("--quality", type=int, default=96, help="JPEG quality, 4:4:4 (default: 96, ImageNet's usual)")
     p.add_argument("--seed", type=int, default=0, help="seed of every random choice (default: 0)")
+    p.add_argument("-j", "--jobs", type=int, default=len(os.sched_getaffinity(0)),
+                   help="processes writing images (default: one per core)")
     return p.parse_args(argv)
 
 
@@ -73,12 +78,32 @@ def make_image(photos, cls, classes, rng):
     return img.filter(ImageFilter.UnsharpMask(radius=2, percent=int(rng.integers(60, 160)), threshold=2))
 
 
+PHOTOS = []  # the two photographs, loaded once per process
+
+
+def load_photos():
+    PHOTOS[:] = [Image.fromarray(image) for image in load_sample_images().images]
+
+
+def write_image(task):
+    """Image i of a split, written; its (width, height, bytes)."""
+    out, split, split_id, i, classes, quality, seed = task
+    rng = np.random.default_rng([seed, split_id, i])
+    cls = i % classes
+    img = make_image(PHOTOS, cls, classes, rng)
+    path = os.path.join(out, split, f"class{cls:02d}", f"{split}_{i:06d}.JPEG")
+    img.save(path, "JPEG", quality=quality, subsampling=0)
+    return img.width, img.height, os.path.getsize(path)
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.train_count < args.classes or args.val_count < 1 or args.classes < 1:
         sys.exit("error: --classes must be at least 1, --train-count at least --classes and --val-count at least 1")
     if not 1 <= args.quality <= 100:
         sys.exit("error: --quality must be between 1 and 100")
+    if args.jobs < 1:
+        sys.exit("error: --jobs must be at least 1")
     params = {k: getattr(args, k) for k in ("train_count", "val_count", "classes", "quality", "seed")}
     marker = os.path.join(args.out, "imagenet-like.json")
     if os.path.isfile(marker):
@@ -89,20 +114,18 @@ def main(argv=None):
     if os.path.exists(os.path.join(args.out, "train")) or os.path.exists(os.path.join(args.out, "val")):
         sys.exit(f"error: {args.out} already holds another dataset: remove it first or pass another --out")
 
-    photos = [Image.fromarray(image) for image in load_sample_images().images]
-    widths, heights, sizes = [], [], []
+    tasks = []
     for split_id, (split, count) in enumerate((("train", args.train_count), ("val", args.val_count))):
         for cls in range(args.classes):
             os.makedirs(os.path.join(args.out, split, f"class{cls:02d}"), exist_ok=True)
-        for i in range(count):
-            rng = np.random.default_rng([args.seed, split_id, i])
-            cls = i % args.classes
-            img = make_image(photos, cls, args.classes, rng)
-            path = os.path.join(args.out, split, f"class{cls:02d}", f"{split}_{i:06d}.JPEG")
-            img.save(path, "JPEG", quality=args.quality, subsampling=0)
-            widths.append(img.width)
-            heights.append(img.height)
-            sizes.append(os.path.getsize(path))
+        tasks += [(args.out, split, split_id, i, args.classes, args.quality, args.seed) for i in range(count)]
+    if args.jobs > 1:
+        with multiprocessing.Pool(args.jobs, initializer=load_photos) as pool:
+            written = pool.map(write_image, tasks, chunksize=16)
+    else:
+        load_photos()
+        written = list(map(write_image, tasks))
+    widths, heights, sizes = zip(*written)
     stats = {"mean_width": round(float(np.mean(widths)), 1), "mean_height": round(float(np.mean(heights)), 1),
              "mean_kb": round(float(np.mean(sizes)) / 1000, 1), "quality": args.quality, "subsampling": "4:4:4"}
     with open(marker, "w") as f:  # written last: its presence means the set is complete
