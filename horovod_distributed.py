@@ -609,9 +609,8 @@ def build_model(args, num_classes):
 def build_loaders(args, train_set, val_set, world_size, rank, device, micro_batch):
     """This rank's train sampler, train loader and val loader, of --data-backend's kind."""
     train_set = SampleSeeded(train_set, args.seed)  # random crops and flips fixed per (seed, epoch, image)
-    # DistributedSampler gives each rank a disjoint 1/W of a permutation that depends only on
-    # (seed, epoch), so the ranks' micro-batches of one step together form the batch one process
-    # would take. drop_last: drop the tail instead of padding it with duplicates.
+    # DistributedSampler gives each rank a disjoint 1/W of a permutation that depends only on (seed, epoch), so the
+    # ranks' micro-batches of a step form the batch one process would take. drop_last: no padding with duplicates.
     train_sampler = ResumableSampler(train_set, world_size, rank, seed=args.seed, drop_last=True)
     if len(train_sampler) < max(1, micro_batch) * args.grad_accum_steps and not args.evaluate:
         raise UsageError(f"the train set ({len(train_set)} images) is smaller than one global batch "
@@ -622,10 +621,9 @@ def build_loaders(args, train_set, val_set, world_size, rank, device, micro_batc
         train_batches = torch.utils.data.BatchSampler(train_sampler, max(1, micro_batch), drop_last=True)
         train_loader = DaliLoader(train_set, train_batches, max(1, micro_batch), args, device)
         return train_sampler, train_loader, DaliLoader(val_set, val_batches, args.val_batch_size, args, device)
-    # Workers started by spawn (a fresh interpreter: fork + exec), once per run (persistent), never
-    # forked from this process, whose torch threads may hold locks a fork copies held for ever
-    # (CPython gh-112275: a hang at an epoch's start); not by forkserver, which a launcher's SIGTERM
-    # to the process group ends, and its workers with it, before the trainer has checkpointed.
+    # Workers started by spawn (fork + exec), once per run (persistent), never forked from this process, whose torch
+    # threads may hold locks a fork copies held for ever (CPython gh-112275: a hang at an epoch's start); not by
+    # forkserver, which a launcher's SIGTERM to the process group ends, with its workers, before the checkpoint.
     loader_args = {"num_workers": args.workers, "pin_memory": device.type != "cpu",
                    "worker_init_fn": ignore_stop_signals,
                    **({"multiprocessing_context": "spawn", "persistent_workers": True} if args.workers else {})}
@@ -635,9 +633,8 @@ def build_loaders(args, train_set, val_set, world_size, rank, device, micro_batc
                                                drop_last=True, **loader_args)
     val_loader = torch.utils.data.DataLoader(val_set, batch_sampler=val_pending, **loader_args)
     if args.workers:
-        # Start both loaders' workers now, not at their first batch: each is an interpreter importing torch
-        # (seconds), which then overlaps the rest of the set-up and the first epoch. The persistent
-        # workers stay; with nothing to load yet they load nothing that would be dropped.
+        # Start both loaders' workers now, not at their first batch: importing torch (seconds) then overlaps the
+        # rest of the set-up. The persistent workers stay; with nothing to load yet they load nothing to drop.
         for loader in (val_loader,) if args.evaluate else (train_loader, val_loader):
             iter(loader)
     val_pending += val_batches
@@ -656,11 +653,9 @@ class SampleSeeded(torch.utils.data.Dataset):
 
     @contextlib.contextmanager
     def seeded(self, epoch, index):
+        # The CPU generator only, the transforms' (torch.manual_seed would seed every GPU too: 50x slower per image).
         with torch.random.fork_rng(devices=[]):
-            # The CPU generator only, which the transforms draw from (torch.manual_seed would seed
-            # every GPU too: 50x slower per image).
-            torch.random.default_generator.manual_seed(
-                ((self.seed * 1_000_003 + epoch) * 1_000_000_007 + index) % 2**63)
+            torch.random.default_generator.manual_seed(((self.seed * 1_000_003 + epoch) * 1_000_000_007 + index) % 2**63)
             yield
 
     def __getitem__(self, key):
@@ -790,9 +785,8 @@ class DaliLoader:
     def __iter__(self):
         self.pass_batches = iter(self.batches)  # this epoch's: the sampler's set_epoch came first
         self.pending = []  # the batches read and not yet delivered, oldest first
-        # One pipeline per loader, built at its first pass (seconds): DALI calls read() as it schedules
-        # batches ahead (prefetching), the source's StopIteration ends a pass after its last batch, and
-        # reset() readies the next. A pass left midway leaves batches queued: a new pipeline then.
+        # One pipeline per loader, built at its first pass (seconds): DALI calls read() as it prefetches, the source's
+        # StopIteration ends a pass, reset() readies the next. A pass left midway leaves batches queued: a new one.
         if self.pipe is None or self.midway:
             self.pipe = self.pipeline(self.source)
             self.pipe.build()
@@ -888,7 +882,10 @@ class Progress:
         self.meter.update(loss.detach() * target.size(0), *correct_counts(output.detach(), target), target.size(0))
 
     def step_done(self, step, lr):
-        profile_step()  # --profile: the step boundary of the trace
+        if "profiler" in PROFILE:  # --profile: the trace's step boundary; it stops once the trace is written
+            PROFILE["profiler"].step()
+            if PROFILE.get("written"):
+                PROFILE.pop("profiler").stop()
         epoch, steps, args = self.epoch, self.steps, self.args
         if (step + 1) % args.print_freq == 0 or step + 1 == steps:
             metrics = self.meter.reduced()  # the only host sync: once per print interval
@@ -963,18 +960,9 @@ def check_finite(tensors, epoch, step, lr):
 
 
 def rng_state(devices):
-    """Every generator this process draws from, as CPU tensors: the CPU's, Python's and those of `devices`' GPUs
-    (the ones it trains on: --cpu never starts CUDA)."""
+    """The CPU's, Python's and `devices`' GPUs' generators, as CPU tensors (only those: --cpu never starts CUDA)."""
     return {"torch": torch.get_rng_state(), "python": random.getstate(),
             "devices": [torch.get_device_module(d).get_rng_state(d) for d in devices if d.type != "cpu"]}
-
-
-def set_rng_state(state, devices):
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    # A checkpoint written on the CPU has no GPU state: the GPUs keep their seeded generators.
-    for device, device_state in zip([d for d in devices if d.type != "cpu"], state["devices"]):
-        torch.get_device_module(device).set_rng_state(device_state, device)
 
 
 def to_cpu(state):
@@ -1015,8 +1003,7 @@ def digest(path):
 
 
 def write_atomically(path, write):
-    """write(file) into a temporary file beside `path`, fsync'd, then renamed to `path`: a crash mid-write
-    leaves the previous file intact, never a truncated one, and no temporary file is left behind."""
+    """write(file) into a temporary file beside `path`, fsync'd, renamed over it: a crash leaves the old file whole."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -1030,8 +1017,7 @@ def write_atomically(path, write):
 
 
 def seal(path, keep):
-    """Rank 0, once checkpoint `path` is complete: its digest into path.sha256, then all but the newest
-    `keep` checkpoints of its kind removed, so disk use stays bounded."""
+    """Rank 0, once checkpoint `path` is complete: its digest into path.sha256; all but the newest `keep` removed."""
     write_atomically(path + ".sha256", lambda f: f.write(digest(path).encode()))
     directory, name = os.path.split(path)
     for old in checkpoint_paths(directory, name[:name.index("epoch") + 5])[keep:]:
@@ -1062,8 +1048,7 @@ def intact(paths):
 
 
 def save_checkpoint(state, is_best, args):
-    """Write checkpoint-epochN[-stepS].pth atomically and seal it, point checkpoint.pth (the newest, under a name
-    that stays) at it, and copy it to model_best.pth if is_best."""
+    """checkpoint-epochN[-stepS].pth, written atomically and sealed; checkpoint.pth the newest; model_best.pth."""
     output_dir, tmp = args.output_dir, os.path.join(args.output_dir, f".checkpoint.{os.getpid()}.tmp")
     name = f"checkpoint-epoch{state['epoch']}" + (f"-step{state['step']}" if state.get("step") else "") + ".pth"
     path = os.path.join(output_dir, name)
@@ -1169,9 +1154,14 @@ def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_
                     if torch.is_tensor(value) and value.shape == param.shape and value.stride() != param.stride():
                         state[key] = torch.empty_like(param).copy_(value)
         scheduler.load_state_dict(checkpoint["scheduler"])
-        if len(checkpoint["rng"]) == world_size:
-            set_rng_state(checkpoint["rng"][rank], devices)
-            train_loader.generator.set_state(checkpoint["rng"][rank]["loader"])
+        if len(checkpoint["rng"]) == world_size:  # rng_state's
+            state = checkpoint["rng"][rank]
+            torch.set_rng_state(state["torch"])
+            random.setstate(state["python"])
+            # A checkpoint written on the CPU has no GPU state: the GPUs keep their seeded generators.
+            for device, device_state in zip([d for d in devices if d.type != "cpu"], state["devices"]):
+                torch.get_device_module(device).set_rng_state(device_state, device)
+            train_loader.generator.set_state(state["loader"])
         else:
             log(f"=> checkpoint has RNG state for {len(checkpoint['rng'])} ranks, not {world_size}: "
                 "data order stays exact, other random state is reseeded")
@@ -1307,23 +1297,14 @@ def start_profile(args, device, epoch, step, steps_per_epoch):
     PROFILE["profiler"].start()
 
 
-def profile_step():
-    """After each optimizer step: the profiler's step boundary; it stops once the trace is written."""
-    if "profiler" in PROFILE:
-        PROFILE["profiler"].step()
-        if PROFILE.get("written"):
-            PROFILE.pop("profiler").stop()
-
-
 # ---- exit: exit codes, stalled ranks, stop signals, the final model's digest ----
 
 class Stopped(Exception):
     """Every rank stopped training after the same step, on a signal, and rank 0 wrote a checkpoint."""
 
 
-# What a collective raises where a peer process has exited (crashed, killed, or stopped on its error):
-# gloo's closed or reset connection (tcp/pair.cc), NCCL's remote error or aborted communicator, Horovod's
-# shutdown. Matched narrowly: any other RuntimeError is a bug, shown with its traceback.
+# What a collective raises where a peer process has exited: gloo's closed or reset connection (tcp/pair.cc), NCCL's
+# remote error or aborted communicator, Horovod's shutdown. Narrowly: any other RuntimeError is a bug (traceback).
 PEER_EXITED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ncclRemoteError",
                "NCCL communicator was aborted", "Horovod has been shut down")
 
@@ -1335,9 +1316,8 @@ def run(main_worker, args):
     exit 143 after the checkpoint; a collective timed out: the stalled ranks named, exit 1; a bug: its traceback."""
     try:
         main_worker(args)
-        # FSDP's modules reach themselves through their hooks and state, so they outlive main_worker until
-        # a cyclic garbage collection. Left to the one at interpreter exit, their freeing (and that of the
-        # gloo work they hold) can abort the process (seen once in CI): free them now, while it is whole.
+        # FSDP's modules reach themselves through their hooks, so they outlive main_worker until a cyclic garbage
+        # collection. At interpreter exit, freeing them (and their gloo work) can abort the process (seen in CI).
         gc.collect()
         # Then leave: the group's last reference, dropped here, destroys it without the GIL. Dropped by DDP's
         # reducer at main_worker's return, it held the GIL while joining gloo's threads, one of which needed it
@@ -1394,8 +1374,7 @@ def stalled_ranks(grace=5.0):
 
 
 def supervise(processes):
-    """A launcher's wait for the processes it started (mp.spawn(join=False)'s context). A stop signal sent
-    to the launcher is meant for the job (Slurm's may reach it alone): it is passed on to every process."""
+    """mp.spawn(join=False)'s wait: stop signals to the launcher (Slurm's may reach it alone) go on to each process."""
     for signum in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, lambda received, frame: [os.kill(pid, received) for pid in processes.pids()])
     try:
@@ -1413,23 +1392,20 @@ def stop_on_signals():
     ask training to stop: the ranks agree on a step at their next metrics reduction, checkpoint it and exit 143."""
     for signum in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, lambda received, frame: STOP_SIGNALS.append(received))
-    # The DataLoader workers ignore them (ignore_stop_signals), so multiprocessing's exit, which ends
-    # leftover workers by SIGTERM and then waits for them, would wait for ever: kill them first. A
-    # finalizer, not atexit: a process mp.spawn started ends through multiprocessing's exit alone.
+    # The loader workers ignore them, so multiprocessing's exit, which SIGTERMs leftover workers and waits for them,
+    # would wait for ever: kill them first. A finalizer: a process mp.spawn started runs no atexit.
     multiprocessing.util.Finalize(None, lambda: [child.kill() for child in multiprocessing.active_children()],
                                   exitpriority=0)
 
 
 def ignore_stop_signals(worker_id):
-    """DataLoader worker_init_fn: launchers signal a worker's whole process group, loader workers too,
-    which would die of it (torch's handler) before their trainer has stopped."""
+    """worker_init_fn: launchers signal the whole process group, and a worker would die before its trainer stopped."""
     for signum in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, signal.SIG_IGN)
 
 
 def state_digest(model):
-    """SHA-256 of every parameter and buffer: equal digests, bitwise-identical models. FSDP's sharded parameters
-    are gathered whole, one at a time (full_tensor: a collective)."""
+    """SHA-256 of all parameters and buffers: equal digests, identical models (FSDP's shards gathered: a collective)."""
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
         tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
