@@ -292,8 +292,7 @@ class UsageError(Exception):
 
 
 class LocalError(UsageError):
-    """Bad input that only some ranks meet (an image in their shard, a node short of GPUs): each of
-    them reports it, and the launcher stops the others."""
+    """Bad input that only some ranks meet (an image in their shard): each reports it, the launcher stops the rest."""
 
 
 def report(error):
@@ -301,9 +300,8 @@ def report(error):
         # Raised in a DataLoader worker, it comes back with the worker's traceback before its message.
         print(f"error: {str(error).rsplit(type(error).__name__ + ': ', 1)[-1].strip()}", file=sys.stderr, flush=True)
         return
-    # Every rank meets it, and rank 0 prints it. A rank that exited first would have its launcher
-    # (horovodrun, torchrun, mp.spawn) kill a rank 0 still starting up, before its line (seen in CI):
-    # wait for the launcher's stop signal once rank 0 has exited, 10 s at most.
+    # Rank 0 prints it. A rank exiting first would have its launcher kill a rank 0 still starting up, before
+    # its line (seen in CI): wait for the launcher's stop signal once rank 0 has exited, 10 s at most.
     deadline = time.monotonic() + 10
     while not STOP_SIGNALS and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -350,24 +348,17 @@ def training_arguments(description):
     add("--dummy", action="store_true", help="synthetic images (random, fixed per index) instead of --data")
     add("--dummy-samples", type=number(int, 1), default=10000, help="--dummy train images (val: a tenth)")
     add("-a", "--arch", default="resnet18", help="torchvision classification model")
-    add("--norm", choices=["batch", "group"], default="batch",
-        help="BatchNorm, or GroupNorm(32) for ResNets (per sample: the per-rank batch does not matter)")
+    add("--norm", choices=["batch", "group"], default="batch", help="BatchNorm, or GroupNorm(32) for ResNets")
     add("--image-size", type=number(int, 1), default=224, help="train crop; val resizes to size*256/224, crops size")
-    add("--min-crop-scale", type=number(float, 0, 1, open_low=True), default=0.08,
-        help="smallest area RandomResizedCrop keeps (ImageNet: 0.08; tiny images such as the demo's: ~0.35)")
+    add("--min-crop-scale", type=number(float, 0, 1, open_low=True), default=0.08, help="smallest crop area kept")
     add("-j", "--workers", type=number(int, 0), default=4, help="data loading workers (DALI: threads) per process")
-    add("--data-backend", choices=["torch", "dali"], default="torch",
-        help="who decodes and augments: torch's DataLoader (--decoder), or NVIDIA DALI (CPU threads; nvJPEG on GPUs)")
-    add("--decoder", choices=["torchvision", "pil"], default="torchvision",
-        help="the DataLoader's image decoder: torchvision.io for JPEGs and PNGs (PIL for the rest), or PIL for all")
+    add("--data-backend", choices=["torch", "dali"], default="torch", help="torch's DataLoader, or NVIDIA DALI")
+    add("--decoder", choices=["torchvision", "pil"], default="torchvision", help="the DataLoader's JPEG/PNG decoder")
     add("--epochs", type=number(int, 1), default=90, help="total epochs to run")
-    add("-b", "--batch-size", type=number(int, 1), default=256,
-        help="GLOBAL batch per optimizer step, split over all processes and --grad-accum-steps micro-batches")
+    add("-b", "--batch-size", type=number(int, 1), default=256, help="GLOBAL batch per optimizer step, over all ranks")
     add("--val-batch-size", type=number(int, 1), default=64, help="evaluation batch per process, at any world size")
-    add("--grad-accum-steps", type=number(int, 1), default=1,
-        help="micro-batches per optimizer step; gradients are averaged over ranks once per step")
-    add("--lr", "--learning-rate", type=number(float, 0, open_low=True), default=0.1,
-        help="lr for a global batch of 256: the lr used is lr * b / 256 (linear scaling rule, Goyal et al. 2017)")
+    add("--grad-accum-steps", type=number(int, 1), default=1, help="micro-batches per optimizer step")
+    add("--lr", "--learning-rate", type=number(float, 0, open_low=True), default=0.1, help="lr at -b 256, scaled by -b")
     add("--warmup-epochs", type=number(float, 0), default=0.0, help="ramp the lr up linearly over these, per step")
     add("--lr-step-size", type=number(int, 1), default=30, help="multiply the lr by --lr-gamma every N epochs")
     add("--lr-gamma", type=number(float, 0, 1, open_low=True), default=0.1, help="lr decay factor")
@@ -375,24 +366,16 @@ def training_arguments(description):
     add("--wd", "--weight-decay", type=number(float, 0), default=1e-4, dest="weight_decay", help="weight decay")
     add("-p", "--print-freq", type=number(int, 1), default=10, help="print (and reduce metrics) every N steps")
     add("--output-dir", default="checkpoints", help="where checkpoints and metrics.jsonl are written")
-    add("--tensorboard", action="store_true", help="also write the metrics as TensorBoard event files in "
-        "--output-dir/tensorboard (needs: pip install tensorboard)")
-    add("--save-every", type=number(int, 0), default=0, metavar="N",
-        help="also checkpoint every N steps (0: at epoch ends only); resumed, it skips the batches trained on")
-    add("--keep-checkpoints", type=number(int, 1), default=2, metavar="K",
-        help="keep the newest K checkpoints: --resume auto falls back to an older one if the newest is damaged")
-    add("--resume", default="", metavar="PATH",
-        help="checkpoint to resume from; 'auto': --output-dir's newest intact one, if any")
+    add("--tensorboard", action="store_true", help="also write the metrics in --output-dir/tensorboard")
+    add("--save-every", type=number(int, 0), default=0, metavar="N", help="also checkpoint every N steps")
+    add("--keep-checkpoints", type=number(int, 1), default=2, metavar="K", help="keep the newest K checkpoints")
+    add("--resume", default="", metavar="PATH", help="checkpoint to resume from; 'auto': --output-dir's newest")
     add("-e", "--evaluate", action="store_true", help="evaluate the model on val and exit")
     add("--seed", type=number(int, 0), help="seed everything, deterministic kernels (bitwise-reproducible on CPU)")
     add("--cpu", action="store_true", help="use the CPU even if GPUs are visible")
-    add("--dist-backend", choices=["nccl", "gloo"],
-        help="process group backend (default: nccl on GPUs, gloo on the CPU); gloo on GPUs lets several processes "
-             "share one GPU, e.g. to test 2 ranks on a 1-GPU machine")
+    add("--dist-backend", choices=["nccl", "gloo"], help="default: nccl on GPUs, gloo on the CPU (and to share a GPU)")
     add("--profile", type=step_range, metavar="START:STOP",
-        help="torch.profiler records this run's optimizer steps START..STOP (from 1; START >= 2: the step before "
-             "warms it up) on every rank: a Chrome trace per rank in --output-dir (trace-rank<R>.json), whose step "
-             "time tools/profile_split.py splits")
+        help="trace optimizer steps START..STOP (from 1) on every rank into --output-dir/trace-rank<R>.json")
     return parser
 
 
@@ -427,16 +410,15 @@ def pick_device(args, local_rank, local_world_size):
 
 
 def check_no_gpu_left_out():
-    """Torch sees no GPU: if the NVIDIA driver lists some, that is an error (a driver too old for the torch
-    wheel's CUDA would otherwise train N CPU processes on a GPU node in silence), not a CPU run."""
+    """Torch sees no GPU: GPUs that nvidia-smi lists are an error, not a CPU run (a driver too old for the
+    wheel's CUDA would otherwise train N CPU processes on a GPU node in silence)."""
     if os.environ.get("CUDA_VISIBLE_DEVICES", "all").strip() in ("", "-1") or not shutil.which("nvidia-smi"):
         return  # GPUs hidden on purpose (as the CPU test suite does), or no NVIDIA driver
     try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=60)
+        drivers = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=60, check=True).stdout.split()
     except (OSError, subprocess.SubprocessError):
         return
-    drivers = smi.stdout.split() if smi.returncode == 0 else []
     if drivers:
         why = (f"it needs a driver for CUDA {torch.version.cuda}, or CUDA_VISIBLE_DEVICES names none of them"
                if torch.version.cuda else "it is a CPU-only build")
@@ -483,10 +465,8 @@ def join_process_group(device, args, port_hint, **kwargs):
 
 
 def check_output_dir(args):
-    """Rank 0 writes the checkpoints: it finds out now, not after an epoch, if it cannot, if another run
-    is writing there, or if this run, not resuming, would write over another run's checkpoints.
-    Collective, once the processes have joined: every rank stops on rank 0's verdict, with one line
-    (a rank 0 that stopped alone before the rendezvous would leave the others waiting in it)."""
+    """Rank 0 finds out now, not after an epoch, if it cannot have --output-dir to itself. Collective, after the
+    rendezvous (a rank 0 stopping alone before it would leave the others waiting): all stop on rank 0's verdict."""
     problem = ""  # a str on every rank: Horovod names an object collective by its type
     if RANK == 0 and not args.evaluate:
         try:
@@ -502,8 +482,13 @@ OUTPUT_LOCK = []  # rank 0's open lock file of --output-dir, held for the whole 
 
 
 def claim_output_dir(args):
-    """check_output_dir's checks, on rank 0, which then holds --output-dir's lock for the whole run."""
-    check_tensorboard(args)
+    """check_output_dir's checks, on rank 0, which then holds --output-dir's lock (flock) for the whole run."""
+    if args.tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401 (only to find out whether it imports)
+        except ImportError:
+            raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard "
+                             "(or drop --tensorboard: metrics.jsonl has the same metrics)") from None
     try:
         os.makedirs(args.output_dir, exist_ok=True)
         tempfile.TemporaryFile(dir=args.output_dir).close()
@@ -514,9 +499,7 @@ def claim_output_dir(args):
     except OSError as e:
         raise UsageError(f"cannot write checkpoints to --output-dir '{args.output_dir}': {e.strerror}"
                          + (f" ('{e.filename}')" if e.filename else "")) from None
-    try:
-        # flock: the kernel drops it when the process ends, however it ends (crash, SIGKILL, a
-        # torchrun restart), so no stale lock outlives a run, unlike a lock file's mere presence.
+    try:  # flock: the kernel drops it when the process ends, however it ends, so no stale lock outlives a run
         fcntl.flock(OUTPUT_LOCK[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise UsageError(f"another run is writing checkpoints in --output-dir '{args.output_dir}' (it holds "
@@ -529,15 +512,6 @@ def claim_output_dir(args):
     if used and not args.resume:
         raise UsageError(f"--output-dir '{args.output_dir}' holds another run's checkpoints ({used[0]}): "
                          "pass --resume auto to continue that run, or another --output-dir for a new one")
-
-
-def check_tensorboard(args):
-    if args.tensorboard:
-        try:
-            import torch.utils.tensorboard  # noqa: F401 (only to find out whether it imports)
-        except ImportError:
-            raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard "
-                             "(or drop --tensorboard: metrics.jsonl has the same metrics)") from None
 
 
 def common_seed(checkpoint, args):
@@ -575,8 +549,7 @@ def build_datasets(args):
                 if os.path.realpath(os.path.join(path, name)) in above:
                     raise UsageError(f"symlink loop in --data: '{os.path.join(path, name)}' leads back to "
                                      f"'{os.path.realpath(os.path.join(path, name))}': remove or replace the link")
-    # transforms v2, on uint8 tensors (on PIL images from PIL), into uint8 CHW tensors: to_device normalises
-    # them on the training device.
+    # transforms v2, on uint8 tensors (or PIL's images) into uint8 CHW: to_device normalises on the device.
     train_tf = transforms.Compose([transforms.RandomResizedCrop(args.image_size, scale=(args.min_crop_scale, 1.0)),
                                    transforms.RandomHorizontalFlip(), transforms.PILToTensor()])
     val_tf = transforms.Compose([transforms.Resize(args.image_size * 256 // 224), transforms.CenterCrop(args.image_size),
@@ -594,34 +567,32 @@ def build_datasets(args):
     return train, val, len(train.classes)
 
 
-# What PIL raises for a file it cannot decode; DecompressionBombError (not an OSError) for one whose header
-# claims over twice Image.MAX_IMAGE_PIXELS (a bomb, or a photo too big to train on: resize it).
-UNREADABLE_IMAGE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
-
-
-def load_image(path, decoder="torchvision"):
-    """ImageFolder's loader. JPEGs and PNGs (CMYK, grey, palette, 16-bit; whatever the file's name says) are
-    decoded by torchvision.io into a uint8 CHW tensor, 1.4x faster per core than PIL's path on ImageNet's
-    sizes (benchmarks/input_pipeline.py); other formats, damaged files and all with --decoder pil by PIL
-    into an RGB image (the transforms take both), or an error names the file. PIL reads the header first,
-    no pixels: its decompression-bomb rule refuses a file before anything is decoded. EXIF rotation is not
-    applied (nor by PIL's loader, nor by DALI here)."""
+@contextlib.contextmanager
+def open_image(path):
+    """PIL's Image.open, which reads the header, not the pixels: a file PIL cannot read, or whose header claims over
+    twice Image.MAX_IMAGE_PIXELS (DecompressionBombError: a bomb, or a photo too big to train on), is an error."""
     try:
-        if decoder == "torchvision":
-            with Image.open(path) as header:
-                if header.format in ("JPEG", "PNG"):
-                    with contextlib.suppress(RuntimeError):  # a damaged file: PIL's error says what is wrong
-                        image = decode_image(read_file(path), ImageReadMode.RGB)
-                        return transforms.functional.to_dtype(image, torch.uint8, scale=True)  # 16-bit PNGs
-        return datasets.folder.pil_loader(path)
-    except UNREADABLE_IMAGE as e:
+        with Image.open(path) as image:
+            yield image
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise LocalError(f"cannot read image '{path}' ({e}): replace or delete the file") from None
 
 
+def load_image(path, decoder="torchvision"):
+    """ImageFolder's loader: JPEGs and PNGs (any mode, whatever the name says) by torchvision.io into uint8 CHW,
+    1.4x faster per core than PIL (benchmarks/input_pipeline.py); other formats, damaged files and --decoder pil
+    by PIL into RGB, after open_image's checks. EXIF rotation is not applied (nor by PIL's loader, nor DALI)."""
+    with open_image(path) as image:
+        if decoder == "torchvision" and image.format in ("JPEG", "PNG"):
+            with contextlib.suppress(RuntimeError):  # a damaged file: PIL's error says what is wrong
+                decoded = decode_image(read_file(path), ImageReadMode.RGB)
+                return transforms.functional.to_dtype(decoded, torch.uint8, scale=True)  # 16-bit PNGs
+        return image.convert("RGB")  # as torchvision's pil_loader
+
+
 class SyntheticImages(torch.utils.data.Dataset):
-    """--dummy: `count` random uint8 CHW images (as the image loaders give) and labels,
-    each drawn from a CPU generator seeded by its index: the same sample at any world size, worker count or
-    restart, and no GPU work (torchvision's FakeData calls torch.manual_seed per sample, which seeds every GPU)."""
+    """--dummy: `count` random uint8 CHW images and labels, each drawn from a CPU generator seeded by its index:
+    the same at any world size, worker count or restart (FakeData's torch.manual_seed would seed every GPU)."""
 
     def __init__(self, count, image_size, num_classes, offset=0):
         self.count, self.shape, self.num_classes, self.offset = count, (3, image_size, image_size), num_classes, offset
@@ -661,21 +632,21 @@ def build_model(args, num_classes):
 def build_loaders(args, train_set, val_set, world_size, rank, device, micro_batch):
     """This rank's train sampler, train loader and val loader, of --data-backend's kind."""
     train_set = SampleSeeded(train_set, args.seed)  # random crops and flips fixed per (seed, epoch, image)
-    # DistributedSampler gives each rank a disjoint 1/W of a permutation that depends only on
-    # (seed, epoch), so the ranks' micro-batches of one step together form the batch one process
-    # would take. drop_last: drop the tail instead of padding it with duplicates.
+    # DistributedSampler gives each rank a disjoint 1/W of a permutation that depends only on (seed, epoch), so the
+    # ranks' micro-batches of a step form the batch one process would take. drop_last: no padding with duplicates.
     train_sampler = ResumableSampler(train_set, world_size, rank, seed=args.seed, drop_last=True)
+    if len(train_sampler) < max(1, micro_batch) * args.grad_accum_steps and not args.evaluate:
+        raise UsageError(f"the train set ({len(train_set)} images) is smaller than one global batch "
+                         f"(-b {args.batch_size}): lower -b")
     # Exact evaluation: fixed batches dealt out to the ranks, without padding (shard_batches says why).
     val_batches = shard_batches(len(val_set), world_size, rank, args.val_batch_size)
     if args.data_backend == "dali":
         train_batches = torch.utils.data.BatchSampler(train_sampler, max(1, micro_batch), drop_last=True)
         train_loader = DaliLoader(train_set, train_batches, max(1, micro_batch), args, device)
-        check_steps(train_loader, train_set, args)
         return train_sampler, train_loader, DaliLoader(val_set, val_batches, args.val_batch_size, args, device)
-    # Workers started by spawn (a fresh interpreter: fork + exec), once per run (persistent), never
-    # forked from this process, whose torch threads may hold locks a fork copies held for ever
-    # (CPython gh-112275: a hang at an epoch's start); not by forkserver, which a launcher's SIGTERM
-    # to the process group ends, and its workers with it, before the trainer has checkpointed.
+    # Workers started by spawn (fork + exec), once per run (persistent), never forked from this process, whose torch
+    # threads may hold locks a fork copies held for ever (CPython gh-112275: a hang at an epoch's start); not by
+    # forkserver, which a launcher's SIGTERM to the process group ends, with its workers, before the checkpoint.
     loader_args = {"num_workers": args.workers, "pin_memory": device.type != "cpu",
                    "worker_init_fn": ignore_stop_signals,
                    **({"multiprocessing_context": "spawn", "persistent_workers": True} if args.workers else {})}
@@ -685,26 +656,17 @@ def build_loaders(args, train_set, val_set, world_size, rank, device, micro_batc
                                                drop_last=True, **loader_args)
     val_loader = torch.utils.data.DataLoader(val_set, batch_sampler=val_pending, **loader_args)
     if args.workers:
-        # Start both loaders' workers now, not at their first batch: each is an interpreter importing torch
-        # (seconds), which then overlaps the rest of the set-up and the first epoch. The persistent
-        # workers stay; with nothing to load yet they load nothing that would be dropped.
+        # Start both loaders' workers now, not at their first batch: importing torch (seconds) then overlaps the
+        # rest of the set-up. The persistent workers stay; with nothing to load yet they load nothing to drop.
         for loader in (val_loader,) if args.evaluate else (train_loader, val_loader):
             iter(loader)
     val_pending += val_batches
-    check_steps(train_loader, train_set, args)
     return train_sampler, train_loader, val_loader
 
 
-def check_steps(train_loader, train_set, args):
-    if len(train_loader) < args.grad_accum_steps and not args.evaluate:
-        raise UsageError(f"the train set ({len(train_set)} images) is smaller than one global batch "
-                         f"(-b {args.batch_size}): lower -b")
-
-
 class SampleSeeded(torch.utils.data.Dataset):
-    """Seeds each sample's random augmentation from (seed, epoch, index): an image gets the same crop
-    and flip at any world size, worker count or restart, so N processes see exactly the batches one
-    process would, and a resumed run continues exactly. Its keys are EpochIndices' (epoch, index) pairs."""
+    """Seeds each sample's augmentation from (seed, epoch, index), its key (EpochIndices'): the same crop and flip
+    at any world size, worker count or restart, so N processes train what one would, and a resume continues."""
 
     def __init__(self, dataset, seed):
         self.dataset, self.seed = dataset, seed
@@ -714,11 +676,9 @@ class SampleSeeded(torch.utils.data.Dataset):
 
     @contextlib.contextmanager
     def seeded(self, epoch, index):
+        # The CPU generator only, the transforms' (torch.manual_seed would seed every GPU too: 50x slower per image).
         with torch.random.fork_rng(devices=[]):
-            # The CPU generator only, which the transforms draw from (torch.manual_seed would seed
-            # every GPU too: 50x slower per image).
-            torch.random.default_generator.manual_seed(
-                ((self.seed * 1_000_003 + epoch) * 1_000_000_007 + index) % 2**63)
+            torch.random.default_generator.manual_seed(((self.seed * 1_000_003 + epoch) * 1_000_000_007 + index) % 2**63)
             yield
 
     def __getitem__(self, key):
@@ -761,9 +721,8 @@ class ResumableSampler(torch.utils.data.distributed.DistributedSampler):
 
 
 def shard_batches(count, num_replicas, rank, batch_size):
-    """Rank `rank`'s evaluation batches: the val set cut into batches, dealt out round-robin with NO padding
-    (DistributedSampler's duplicates would count some images twice; evaluation synchronises once, after its
-    loop, so unequal shares are fine). Every image lands in the same batch at any world size: same rounding."""
+    """Rank `rank`'s evaluation batches, dealt out round-robin with NO padding (DistributedSampler's duplicates
+    would count images twice; evaluation syncs once, after its loop): each image in the same batch at any size."""
     starts = range(rank * batch_size, count, num_replicas * batch_size)
     return [list(range(start, min(start + batch_size, count))) for start in starts]
 
@@ -782,17 +741,9 @@ def import_dali():
 
 
 class DaliLoader:
-    """--data-backend dali: NVIDIA DALI decodes, crops, resizes and flips the images in its own threads
-    (-j of them), on the CPU without GPUs, with nvJPEG on GPUs (device="mixed"), and hands over uint8
-    NCHW batches on the training device, as the default loader's collate does (to_device normalises both).
-
-    Python still chooses everything random, so the default loader's guarantees hold: the batches are
-    the sampler's (the same ResumableSampler and shard_batches: disjoint shards, ranks in lockstep,
-    exact evaluation, mid-epoch resume), and each image's crop window and flip are drawn by the default
-    transform's own RandomResizedCrop.get_params and flip from SampleSeeded's per-(seed, epoch, index)
-    generator: the same windows at any world size, and the same as the default loader's. Only the
-    resampling is DALI's (its bilinear resize with antialiasing against torchvision's), so pixels differ slightly.
-    """
+    """--data-backend dali: NVIDIA DALI decodes, crops, resizes and flips in -j threads (nvJPEG on GPUs) into uint8
+    NCHW batches on the device. Python still picks every batch and every crop window and flip, as the default loader
+    does, so its guarantees hold; only the resampling is DALI's (docs/input.md)."""
 
     def __init__(self, dataset, batches, batch_size, args, device):
         # .dataset, as a DataLoader has: FSDP's and ZeRO's validate take a stand-in image's shape from it.
@@ -815,21 +766,15 @@ class DaliLoader:
             path, label = self.samples[index]
             columns[0].append(numpy.fromfile(path, dtype=numpy.uint8))
             columns[1].append(numpy.array(label))
-            try:
-                # Image.open reads the header, not the pixels: load_image's checks (a format PIL reads, not a
-                # decompression bomb), train and val; the sampler's epoch, this pass's.
-                with Image.open(path) as image:
-                    if self.seeded:
-                        crop, flip = self.transforms[0], self.transforms[1]
-                        with self.seeded.seeded(self.batches.sampler.epoch, index):
-                            top, left, height, width = crop.get_params(image, crop.scale, crop.ratio)
-                            mirror = torch.rand(1) < flip.p
-            except UNREADABLE_IMAGE as e:
-                raise LocalError(f"cannot read image '{path}' ({e}): replace or delete the file") from None
-            if self.seeded:
-                columns[2].append(numpy.array([left, top], dtype=numpy.int32))  # DALI's order: x, y
-                columns[3].append(numpy.array([width, height], dtype=numpy.int32))
-                columns[4].append(numpy.array(mirror.item(), dtype=numpy.int32))
+            with open_image(path) as image:  # load_image's checks, train and val
+                if self.seeded:  # with the sampler's epoch, this pass's
+                    crop, flip = self.transforms[0], self.transforms[1]
+                    with self.seeded.seeded(self.batches.sampler.epoch, index):
+                        top, left, height, width = crop.get_params(image, crop.scale, crop.ratio)
+                        mirror = torch.rand(1) < flip.p
+                    columns[2].append(numpy.array([left, top], dtype=numpy.int32))  # DALI's order: x, y
+                    columns[3].append(numpy.array([width, height], dtype=numpy.int32))
+                    columns[4].append(numpy.array(mirror.item(), dtype=numpy.int32))
         return columns if self.seeded else columns[:2]
 
     def source(self):
@@ -837,10 +782,8 @@ class DaliLoader:
         return self.read(self.pending[-1])
 
     def pipeline(self, source):
-        fn, types = self.dali.fn, self.dali.types
-        gpu = self.device.type == "cuda"
+        fn, types, size, gpu = self.dali.fn, self.dali.types, self.args.image_size, self.device.type == "cuda"
         decoder = "mixed" if gpu else "cpu"  # mixed: nvJPEG decodes on the GPU, the CPU parses the headers
-        size = self.args.image_size
 
         # device_id None: a CPU-only pipeline, which runs without a GPU or driver.
         @self.dali.pipeline_def(batch_size=self.batch_size, num_threads=max(1, self.args.workers),
@@ -865,9 +808,8 @@ class DaliLoader:
     def __iter__(self):
         self.pass_batches = iter(self.batches)  # this epoch's: the sampler's set_epoch came first
         self.pending = []  # the batches read and not yet delivered, oldest first
-        # One pipeline per loader, built at its first pass (seconds): DALI calls read() as it schedules
-        # batches ahead (prefetching), the source's StopIteration ends a pass after its last batch, and
-        # reset() readies the next. A pass left midway leaves batches queued: a new pipeline then.
+        # One pipeline per loader, built at its first pass (seconds): DALI calls read() as it prefetches, the source's
+        # StopIteration ends a pass, reset() readies the next. A pass left midway leaves batches queued: a new one.
         if self.pipe is None or self.midway:
             self.pipe = self.pipeline(self.source)
             self.pipe.build()
@@ -886,11 +828,10 @@ class DaliLoader:
                 where = next((line for line in str(e).splitlines() if "operator" in line), "").rstrip(",")
                 raise LocalError(f"DALI cannot decode an image of this rank's next batches ({where}), though PIL "
                                  "decodes each: an unsupported file?") from None
-            # Zero-copy, as DALI's own DALIGenericIterator does with its default dynamic executor: the outputs
-            # stay alive while torch holds them, and from_dlpack makes DALI's GPU work ready on torch's stream.
-            # The labels are copied out of DALI's host buffer, which it may reuse before to_device's
-            # non_blocking copy has read it. The device is set for from_dlpack only, not for the step that
-            # runs while this generator waits at its yield.
+            # Zero-copy, as DALI's own DALIGenericIterator does with its default dynamic executor: the outputs stay
+            # alive while torch holds them, and from_dlpack makes DALI's GPU work ready on torch's stream. The labels
+            # are copied out of DALI's host buffer, which it may reuse before to_device's non_blocking copy has read
+            # it. The device is set for from_dlpack only, not for the step run while this generator waits.
             with self.device:
                 batch = torch.from_dlpack(images.as_tensor()), torch.from_dlpack(labels.as_tensor()).clone()
             yield batch
@@ -898,16 +839,14 @@ class DaliLoader:
 
 @functools.cache
 def normalization(device, dtype):
-    """ImageNet's per-channel mean and std (of pixels in [0, 1]) as (1, 3, 1, 1) tensors on `device`, made once:
-    made each step, they would be a host-to-device copy each step."""
+    """ImageNet's mean and std (of pixels in [0, 1]) as (1, 3, 1, 1) tensors on `device`, made once, not each step."""
     return tuple(torch.tensor(values, dtype=dtype, device=device).view(1, 3, 1, 1)
                  for values in ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)))
 
 
 def to_device(images, target, device):
-    """A batch onto the training device, normalised there. The loaders deliver uint8 images, as NVIDIA's and
-    timm's do: a 4x smaller host-to-device copy than float32, no float work in the loader's CPU workers. The
-    arithmetic is ToTensor + Normalize's, in the default float dtype; a float batch is taken to be in [0, 1]."""
+    """A batch onto the device, normalised there as by ToTensor + Normalize (a float batch: in [0, 1]). The loaders
+    deliver uint8, as NVIDIA's and timm's: a 4x smaller host-to-device copy, no float work in their workers."""
     images = images.to(device, non_blocking=True)
     mean, std = normalization(images.device, torch.get_default_dtype())
     if images.dtype == torch.uint8:
@@ -916,9 +855,8 @@ def to_device(images, target, device):
 
 
 def val_batches(loader, device, collective_model=None):
-    """The loader's batches on the device. collective_model: a model whose forward is a collective (FSDP, ZeRO 3
-    all-gather the parameters), which every rank must run as often as the rank with the most val batches
-    (shard_batches' counts differ by one at most): a rank out of batches forwards a discarded stand-in image."""
+    """The loader's batches on the device. collective_model: one whose forward is a collective (FSDP, ZeRO 3), which
+    every rank must run as often as the rank with the most batches: a rank out of them forwards a stand-in image."""
     stand_ins = max(all_gather_objects(len(loader))) - len(loader) if collective_model else 0  # before a forward
     for images, target in loader:
         yield to_device(images, target, device)
@@ -936,10 +874,9 @@ def lr_schedule(args, steps_per_epoch):
 
 
 class Progress:
-    """train()'s bookkeeping between steps, the same for every method: the time spent waiting for data;
-    every --print-freq steps the progress line and metrics record (the only host sync), a check that the
-    loss is finite and the stop signal (a checkpoint, then every rank stops after this same step); and
-    --save-every's checkpoints. save(step) checkpoints the epoch after that many steps."""
+    """train()'s bookkeeping between steps, alike for every method: the data wait; every --print-freq steps (the
+    only host sync) the progress line and record, the loss's check and the stop signals; --save-every's
+    checkpoints. save(step) checkpoints the epoch after that many steps."""
 
     started = False  # whether this process's loader workers have delivered their first batch
 
@@ -968,7 +905,10 @@ class Progress:
         self.meter.update(loss.detach() * target.size(0), *correct_counts(output.detach(), target), target.size(0))
 
     def step_done(self, step, lr):
-        profile_step()  # --profile: the step boundary of the trace
+        if "profiler" in PROFILE:  # --profile: the trace's step boundary; it stops once the trace is written
+            PROFILE["profiler"].step()
+            if PROFILE.get("written"):
+                PROFILE.pop("profiler").stop()
         epoch, steps, args = self.epoch, self.steps, self.args
         if (step + 1) % args.print_freq == 0 or step + 1 == steps:
             metrics = self.meter.reduced()  # the only host sync: once per print interval
@@ -976,7 +916,8 @@ class Progress:
             step_time, data_time = (now - self.interval_start) / done, self.interval_wait / done
             log(f"Epoch: [{epoch}][{step + 1:{len(str(steps))}d}/{steps}]  Time {step_time:6.3f}  Data {data_time:6.3f}"
                 f"  Loss {metrics['loss']:.4e}  Acc@1 {metrics['acc1']:6.2f}  Acc@5 {metrics['acc5']:6.2f}")
-            record_interval(epoch, step + 1, step_time, data_time, metrics, lr)
+            write_metrics("train", (epoch, step + 1), step_time=round(step_time, 4), data_time=round(data_time, 4),
+                          loss=metrics["loss"], acc1=metrics["acc1"], acc5=metrics["acc5"], lr=lr)
             self.interval_start, self.interval_wait = now, 0.0
             if not math.isfinite(metrics["loss"]):
                 raise diverged(f"the training loss is {metrics['loss']}", epoch, step + 1, lr)
@@ -993,9 +934,8 @@ class Progress:
 
 
 class AverageMeter:
-    """Sums of loss, top-1 and top-5 hits and the sample count, on the training device: update() only queues
-    device work, nothing waits for the GPU until reduced() (once per print interval and epoch): no per-step sync.
-    The reduction carries the stop signals too: "stop" is true on every rank once one was asked to stop."""
+    """Sums of loss, top-1 and top-5 hits and samples on the device: update() only queues device work, nothing waits
+    until reduced() (no per-step sync), whose "stop" is true on every rank once one was asked to stop."""
 
     def __init__(self, device):
         self.sums = torch.zeros(5, dtype=torch.float64, device=device)  # float64: exact enough at any world size
@@ -1043,18 +983,9 @@ def check_finite(tensors, epoch, step, lr):
 
 
 def rng_state(devices):
-    """Every generator this process draws from, as CPU tensors: the CPU's, Python's and those of `devices`' GPUs
-    (the ones it trains on: --cpu never starts CUDA)."""
+    """The CPU's, Python's and `devices`' GPUs' generators, as CPU tensors (only those: --cpu never starts CUDA)."""
     return {"torch": torch.get_rng_state(), "python": random.getstate(),
             "devices": [torch.get_device_module(d).get_rng_state(d) for d in devices if d.type != "cpu"]}
-
-
-def set_rng_state(state, devices):
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    # A checkpoint written on the CPU has no GPU state: the GPUs keep their seeded generators.
-    for device, device_state in zip([d for d in devices if d.type != "cpu"], state["devices"]):
-        torch.get_device_module(device).set_rng_state(device_state, device)
 
 
 def to_cpu(state):
@@ -1095,9 +1026,8 @@ def digest(path):
 
 
 def write_atomically(path, write):
-    """write(file) into a temporary file beside `path`, fsync'd, then renamed to `path`: a crash mid-write
-    leaves the previous file intact, never a truncated one, and no temporary file is left behind."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".checkpoint.", suffix=".tmp")
+    """write(file) into a temporary file beside `path`, fsync'd, renamed over it: a crash leaves the old file whole."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -1110,8 +1040,7 @@ def write_atomically(path, write):
 
 
 def seal(path, keep):
-    """Rank 0, once checkpoint `path` is complete: its digest into path.sha256, then all but the newest
-    `keep` checkpoints of its kind removed, so disk use stays bounded."""
+    """Rank 0, once checkpoint `path` is complete: its digest into path.sha256; all but the newest `keep` removed."""
     write_atomically(path + ".sha256", lambda f: f.write(digest(path).encode()))
     directory, name = os.path.split(path)
     for old in checkpoint_paths(directory, name[:name.index("epoch") + 5])[keep:]:
@@ -1142,8 +1071,7 @@ def intact(paths):
 
 
 def save_checkpoint(state, is_best, args):
-    """Write checkpoint-epochN[-stepS].pth atomically and seal it, point checkpoint.pth (the newest, under a name
-    that stays) at it, and copy it to model_best.pth if is_best."""
+    """checkpoint-epochN[-stepS].pth, written atomically and sealed; checkpoint.pth the newest; model_best.pth."""
     output_dir, tmp = args.output_dir, os.path.join(args.output_dir, f".checkpoint.{os.getpid()}.tmp")
     name = f"checkpoint-epoch{state['epoch']}" + (f"-step{state['step']}" if state.get("step") else "") + ".pth"
     path = os.path.join(output_dir, name)
@@ -1171,10 +1099,9 @@ def save_checkpoint(state, is_best, args):
 
 
 def choose_checkpoint(args, newest, found, missing, load):
-    """--resume's checkpoint as load(path) returns it (a dict), with its "path" added, checked to fit -a and
-    -b; None to start fresh. 'auto' takes the first of `newest` (--output-dir's checkpoints,
-    newest first) that is intact and loads, saying which it skipped; a --resume that found(path) denies is
-    the error line `missing`. load raises UsageError to stop, anything else to fall back to an older one."""
+    """--resume's checkpoint as load(path) returns it (a dict) plus its "path", checked to fit -a and -b; None to
+    start fresh. 'auto' takes the first of `newest` that is intact and loads, saying which it skipped; a --resume
+    that found(path) denies is the error `missing`. load raises UsageError to stop, else an older one is tried."""
     if not args.resume:
         return None
     paths = newest if args.resume == "auto" else [os.path.normpath(args.resume)]
@@ -1208,9 +1135,8 @@ def choose_checkpoint(args, newest, found, missing, load):
 
 
 def load_checkpoint(args, model):
-    """Load --resume's checkpoint (choose_checkpoint) into the model and return it; None to start fresh. Onto
-    the CPU, whatever device wrote it: load_state_dict copies the weights to the model's device, and RNG states
-    stay CPU tensors; weights_only=True never runs pickled code."""
+    """Load --resume's checkpoint into the model and return it (None: start fresh). Onto the CPU, whatever wrote
+    it: load_state_dict copies the weights to the model's device; weights_only=True runs no pickled code."""
     def load(path):
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
@@ -1251,9 +1177,14 @@ def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_
                     if torch.is_tensor(value) and value.shape == param.shape and value.stride() != param.stride():
                         state[key] = torch.empty_like(param).copy_(value)
         scheduler.load_state_dict(checkpoint["scheduler"])
-        if len(checkpoint["rng"]) == world_size:
-            set_rng_state(checkpoint["rng"][rank], devices)
-            train_loader.generator.set_state(checkpoint["rng"][rank]["loader"])
+        if len(checkpoint["rng"]) == world_size:  # rng_state's
+            state = checkpoint["rng"][rank]
+            torch.set_rng_state(state["torch"])
+            random.setstate(state["python"])
+            # A checkpoint written on the CPU has no GPU state: the GPUs keep their seeded generators.
+            for device, device_state in zip([d for d in devices if d.type != "cpu"], state["devices"]):
+                torch.get_device_module(device).set_rng_state(device_state, device)
+            train_loader.generator.set_state(state["loader"])
         else:
             log(f"=> checkpoint has RNG state for {len(checkpoint['rng'])} ranks, not {world_size}: "
                 "data order stays exact, other random state is reseeded")
@@ -1264,10 +1195,9 @@ def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_
 
 def report_start(model, world_size, device, micro_batch, args, *collectives):
     """The run's first lines: what trains where, and the bytes each rank sends per optimizer step. collectives:
-    (kind, dtype, count per step), an all_reduce, all_gather or reduce_scatter of every trainable parameter (or
-    its gradient) in dtype (a torch dtype's name, fp16/bf16, or None/"none": the parameter's own). Of B bytes,
-    ring algorithms (NCCL's, gloo's for large tensors) send 2(N-1)/N B from each rank in an all-reduce, (N-1)/N B
-    in an all-gather or a reduce-scatter. BatchNorm buffers and the metrics' few numbers are left out."""
+    (kind, dtype: a torch dtype's name, fp16, bf16 or None/"none" for the parameter's own, count per step) of every
+    trainable parameter or gradient, sent as ring algorithms do: of B bytes, 2(N-1)/N B in an all_reduce, (N-1)/N B
+    in an all_gather or reduce_scatter (BatchNorm buffers and the metrics' few numbers left out)."""
     log(f"=> {METHOD}: world size {world_size}, device {device.type}, arch {args.arch}, global batch "
         f"{args.batch_size} ({micro_batch} per process x {args.grad_accum_steps} micro-batches), "
         f"launcher {launcher_name(args)}")
@@ -1295,30 +1225,24 @@ def summary(kind, **fields):
     write_metrics(kind, position, **fields)
 
 
+# Above this share of an epoch's training time spent waiting for batches, the input pipeline, not the model,
+# limits the run: removing the wait would make it up to 1 / (1 - 0.2) = 1.25x faster. A run not input-bound waits
+# a few percent (its workers fill their queues at each epoch's first batch); the workers' start-up is not counted.
+DATA_STALL_SHARE = 0.2
+
+
 def report_epoch(epoch, val, world_size, device, args, trained=None, start=None, lr=None):
-    """The epoch's SUMMARY line (-e: the evaluation's), then a data stall, if the input limited the epoch.
+    """The epoch's SUMMARY line (-e: the evaluation's), then one saying what to try if the input limited the epoch.
     trained: train()'s (metrics, seconds, seconds of data wait); start: the epoch's time.perf_counter()."""
     fields = dict(method=METHOD, launcher=launcher_name(args), world_size=world_size, device=device.type, epoch=epoch)
     if trained is None:
         return summary("SUMMARY", **fields, **{f"val_{k}": v for k, v in val.items()})
     metrics, train_time, data_wait = trained
+    share = data_wait / train_time
     summary("SUMMARY", **fields, train_loss=metrics["loss"], train_acc1=metrics["acc1"], val_loss=val["loss"],
             val_acc1=val["acc1"], val_acc5=val["acc5"], val_count=val["count"],
             epoch_time=round(time.perf_counter() - start, 3), images_per_sec=round(metrics["count"] / train_time, 1),
-            data_wait=round(data_wait / train_time, 4), lr=lr)
-    report_data_stall(data_wait, train_time, args)
-
-
-# Above this share of an epoch's training time spent waiting for batches, the input pipeline, not the
-# model, limits the run: removing the wait would make it up to 1 / (1 - 0.2) = 1.25x faster, worth acting
-# on. A run that is not input-bound waits a few percent (its workers fill their queues at each epoch's
-# first batch), well below it. The workers' start-up, once per run, is not counted (Progress.timed).
-DATA_STALL_SHARE = 0.2
-
-
-def report_data_stall(data_wait, train_time, args):
-    """One line (rank 0) after an epoch whose data-wait share exceeds DATA_STALL_SHARE, saying what to try."""
-    share = data_wait / max(train_time, 1e-9)
+            data_wait=round(share, 4), lr=lr)
     if share > DATA_STALL_SHARE:
         log(f"=> data stall: {share:.0%} of this epoch's training time was spent waiting for batches (above "
             f"{DATA_STALL_SHARE:.0%}): the input pipeline limits this run. Try more loader workers (-j, now "
@@ -1327,9 +1251,8 @@ def report_data_stall(data_wait, train_time, args):
 
 
 def open_metrics(args, epoch, step, steps_per_epoch):
-    """Rank 0, once it knows where training starts (epoch, step): --output-dir/metrics.jsonl keeps the
-    records up to there and loses those after it, which a resumed run repeats and would write twice
-    (rewritten atomically); then summary() and record_interval() append to it, one write() a line."""
+    """Rank 0, once it knows where training starts (epoch, step): metrics.jsonl loses the records after it, which
+    a resumed run would write twice (rewritten atomically); then write_metrics appends, one write() a line."""
     if RANK != 0 or args.evaluate:
         return
     path, kept = os.path.join(args.output_dir, "metrics.jsonl"), []
@@ -1342,11 +1265,7 @@ def open_metrics(args, epoch, step, steps_per_epoch):
                     continue
                 if tuple(record["position"] or (0, 0)) <= (epoch, step):
                     kept.append(json.dumps(record) + "\n")
-    with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    write_atomically(path, lambda f: f.write("".join(kept).encode()))
     # O_APPEND and one os.write per record: a line is never interleaved or left half-buffered.
     METRICS.update(fd=os.open(path, os.O_WRONLY | os.O_APPEND), position=(epoch, step),
                    steps_per_epoch=max(1, steps_per_epoch))
@@ -1376,12 +1295,6 @@ def write_metrics(kind, position, **fields):
         METRICS["writer"].flush()
 
 
-def record_interval(epoch, step, step_time, data_time, metrics, lr):
-    """A print interval's progress line, as a metrics.jsonl record ("train")."""
-    write_metrics("train", (epoch, step), step_time=round(step_time, 4), data_time=round(data_time, 4),
-                  loss=metrics["loss"], acc1=metrics["acc1"], acc5=metrics["acc5"], lr=lr)
-
-
 PROFILE = {}  # --profile's torch.profiler while it runs
 
 
@@ -1407,39 +1320,27 @@ def start_profile(args, device, epoch, step, steps_per_epoch):
     PROFILE["profiler"].start()
 
 
-def profile_step():
-    """After each optimizer step: the profiler's step boundary; it stops once the trace is written."""
-    if "profiler" in PROFILE:
-        PROFILE["profiler"].step()
-        if PROFILE.get("written"):
-            PROFILE.pop("profiler").stop()
-
-
 # ---- exit: exit codes, stalled ranks, stop signals, the final model's digest ----
 
 class Stopped(Exception):
     """Every rank stopped training after the same step, on a signal, and rank 0 wrote a checkpoint."""
 
 
-# What a collective raises where a peer process has exited (crashed, killed, or stopped on its error):
-# gloo's closed or reset connection (tcp/pair.cc), NCCL's remote error or aborted communicator, Horovod's
-# shutdown. Matched narrowly: any other RuntimeError is a bug, shown with its traceback.
+# What a collective raises where a peer process has exited: gloo's closed or reset connection (tcp/pair.cc), NCCL's
+# remote error or aborted communicator, Horovod's shutdown. Narrowly: any other RuntimeError is a bug (traceback).
 PEER_EXITED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ncclRemoteError",
                "NCCL communicator was aborted", "Horovod has been shut down")
 
 
-# @record: under torchrun, an uncaught exception's traceback goes into torchrun's failure summary,
-# which otherwise only says "To enable traceback see ...".
+# @record: under torchrun, an uncaught exception's traceback goes into torchrun's failure summary (else: nothing).
 @record
 def run(main_worker, args):
-    """Train, and end the way launchers and schedulers understand: bad input is one error line and exit
-    2; a stop signal, exit 143 once the checkpoint is written; a timed-out collective, one line naming
-    the ranks that stalled and exit 1. Anything else is a bug: its traceback."""
+    """Train, and end as launchers and schedulers understand: bad input: one error line, exit 2; a stop signal:
+    exit 143 after the checkpoint; a collective timed out: the stalled ranks named, exit 1; a bug: its traceback."""
     try:
         main_worker(args)
-        # FSDP's modules reach themselves through their hooks and state, so they outlive main_worker until
-        # a cyclic garbage collection. Left to the one at interpreter exit, their freeing (and that of the
-        # gloo work they hold) can abort the process (seen once in CI): free them now, while it is whole.
+        # FSDP's modules reach themselves through their hooks, so they outlive main_worker until a cyclic garbage
+        # collection. At interpreter exit, freeing them (and their gloo work) can abort the process (seen in CI).
         gc.collect()
         # Then leave: the group's last reference, dropped here, destroys it without the GIL. Dropped by DDP's
         # reducer at main_worker's return, it held the GIL while joining gloo's threads, one of which needed it
@@ -1471,12 +1372,9 @@ def run(main_worker, args):
 
 
 def stalled_ranks(grace=5.0):
-    """After a collective timed out, the ranks that stalled.
-
-    The timed-out group's connections are closed, so every rank still alive checks in on the
-    rendezvous store instead (torchrun's, or rank 0's without it) and, after `grace` seconds for the
-    others to time out too, lists who did not. A store that does not answer is rank 0's: rank 0 stalled.
-    """
+    """After a collective timed out, the ranks that stalled. The group's connections are closed, so each live
+    rank checks in on the rendezvous store (torchrun's, or rank 0's) and, `grace` seconds later (for the others
+    to time out too), lists who did not. A store that does not answer is rank 0's: rank 0 stalled."""
     if "MASTER_ADDR" not in os.environ:  # a file:// rendezvous: no store to meet on
         return []
     key = f"cookbook/alive/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"  # one namespace per torchrun attempt
@@ -1499,8 +1397,7 @@ def stalled_ranks(grace=5.0):
 
 
 def supervise(processes):
-    """A launcher's wait for the processes it started (mp.spawn(join=False)'s context). A stop signal sent
-    to the launcher is meant for the job (Slurm's may reach it alone): it is passed on to every process."""
+    """mp.spawn(join=False)'s wait: stop signals to the launcher (Slurm's may reach it alone) go on to each process."""
     for signum in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, lambda received, frame: [os.kill(pid, received) for pid in processes.pids()])
     try:
@@ -1514,28 +1411,24 @@ STOP_SIGNALS = []  # the stop signals this process received (stop_on_signals)
 
 
 def stop_on_signals():
-    """SIGTERM (a launcher ending the job: torchrun passes it on, Slurm sends it on preemption) and
-    SIGUSR1 (Slurm's warning before the time limit, #SBATCH --signal) ask training to stop: the
-    ranks agree on a step at their next metrics reduction (train), checkpoint it and exit 143."""
+    """SIGTERM (a launcher ending the job; Slurm's preemption) and SIGUSR1 (Slurm's warning before the time limit)
+    ask training to stop: the ranks agree on a step at their next metrics reduction, checkpoint it and exit 143."""
     for signum in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, lambda received, frame: STOP_SIGNALS.append(received))
-    # The DataLoader workers ignore them (ignore_stop_signals), so multiprocessing's exit, which ends
-    # leftover workers by SIGTERM and then waits for them, would wait for ever: kill them first. A
-    # finalizer, not atexit: a process mp.spawn started ends through multiprocessing's exit alone.
+    # The loader workers ignore them, so multiprocessing's exit, which SIGTERMs leftover workers and waits for them,
+    # would wait for ever: kill them first. A finalizer: a process mp.spawn started runs no atexit.
     multiprocessing.util.Finalize(None, lambda: [child.kill() for child in multiprocessing.active_children()],
                                   exitpriority=0)
 
 
 def ignore_stop_signals(worker_id):
-    """DataLoader worker_init_fn: launchers signal a worker's whole process group, loader workers too,
-    which would die of it (torch's handler) before their trainer has stopped."""
+    """worker_init_fn: launchers signal the whole process group, and a worker would die before its trainer stopped."""
     for signum in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, signal.SIG_IGN)
 
 
 def state_digest(model):
-    """SHA-256 of every parameter and buffer: equal digests, bitwise-identical models. FSDP's sharded parameters
-    are gathered whole, one at a time (full_tensor: a collective)."""
+    """SHA-256 of all parameters and buffers: equal digests, identical models (FSDP's shards gathered: a collective)."""
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
         tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

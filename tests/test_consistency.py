@@ -20,15 +20,14 @@ END = "# ---- end of shared helpers ----\n"
 # make it here too. In any order: the block's section banners decide where each one stands.
 SHARED_HELPERS = ["UsageError", "LocalError", "report", "log", "ArgumentParser", "number", "step_range",
                   "training_arguments", "seed_everything", "pick_device", "check_no_gpu_left_out", "require_bf16",
-                  "check_batch", "join_process_group", "check_output_dir", "claim_output_dir", "check_tensorboard",
-                  "common_seed", "build_datasets", "load_image", "SyntheticImages", "build_model", "build_loaders",
-                  "check_steps", "SampleSeeded", "EpochIndices", "ResumableSampler", "shard_batches", "import_dali",
-                  "DaliLoader", "normalization", "to_device", "val_batches", "lr_schedule", "Progress", "AverageMeter",
-                  "correct_counts", "diverged", "check_finite", "rng_state", "set_rng_state", "to_cpu",
-                  "checkpoint_paths", "digest", "write_atomically", "seal", "intact", "save_checkpoint",
-                  "choose_checkpoint", "load_checkpoint", "resume_training", "report_start", "summary", "report_epoch",
-                  "report_data_stall", "open_metrics", "write_metrics", "record_interval", "start_profile",
-                  "profile_step", "Stopped", "run", "stalled_ranks", "supervise", "stop_on_signals",
+                  "check_batch", "join_process_group", "check_output_dir", "claim_output_dir", "common_seed",
+                  "build_datasets", "open_image", "load_image", "SyntheticImages", "build_model", "build_loaders",
+                  "SampleSeeded", "EpochIndices", "ResumableSampler", "shard_batches", "import_dali", "DaliLoader",
+                  "normalization", "to_device", "val_batches", "lr_schedule", "Progress", "AverageMeter",
+                  "correct_counts", "diverged", "check_finite", "rng_state", "to_cpu", "checkpoint_paths", "digest",
+                  "write_atomically", "seal", "intact", "save_checkpoint", "choose_checkpoint", "load_checkpoint",
+                  "resume_training", "report_start", "summary", "report_epoch", "open_metrics", "write_metrics",
+                  "start_profile", "Stopped", "run", "stalled_ranks", "supervise", "stop_on_signals",
                   "ignore_stop_signals", "state_digest"]
 # The block's sections, each opened by a one-line banner `# ---- NAME: what it holds ----`, in the order
 # main_worker meets them: a reader looking for a helper finds its section from the banners alone.

@@ -235,7 +235,7 @@ torch.save(torch.load(sys.argv[1], weights_only=True), sys.argv[2])
 
 def test_checkpoint_from_a_gpu_resumes_on_the_cpu(tiny_data, checkpoint, tmp_path):
     """The checkpoint is loaded onto the CPU, whatever device wrote it, and load_state_dict copies it
-    to the model's device: on GPUs, loading straight onto the GPU failed in set_rng_state."""
+    to the model's device: on GPUs, loading straight onto the GPU failed in torch.set_rng_state (resume_training)."""
     from_gpu = tmp_path / "from-gpu.pth"
     subprocess.run([sys.executable, "-c", AS_IF_FROM_A_GPU, checkpoint, from_gpu], check=True)
     with pytest.raises(RuntimeError, match="on a CUDA device"):  # the file does name cuda:0
