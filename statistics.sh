@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Turn the trainers' logs (start.sh writes LOGDIR/<method>.log) into a markdown table, written to
-# stdout and LOGDIR/summary.md, plus LOGDIR/summary.png (images/s and top-1 per method) where
-# matplotlib is installed.
+# stdout and LOGDIR/summary.md, plus LOGDIR/summary.png (images/s and top-1 per method), or a line saying
+# how to get it where matplotlib is not installed (scripts/install.sh installs it).
 #
 #   bash statistics.sh [LOGDIR]          # default: logs
 #
@@ -162,6 +162,9 @@ try:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 except ImportError:
+    # A site-installed torch without the cookbook's install: say how to get the chart, but the table stands.
+    print(f"no chart ({os.path.join(logdir, 'summary.png')}): matplotlib is not installed; "
+          f"pip install matplotlib, then bash statistics.sh {logdir}")
     sys.exit(0)
 fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
 left.bar(names, [float(r[6]) for r in rows])

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv and installs what the cookbook needs. Safe to re-run: finished steps are skipped.
 #
-#   bash scripts/install.sh           # trainers + demo data: requirements.txt, requirements-dev.txt
+#   bash scripts/install.sh           # trainers, demo data, start.sh's chart: requirements.txt, requirements-dev.txt
 #   bash scripts/install.sh --tests   # also the engines the tests start for real: the Slurm, munge and
 #                                     # iproute2 Debian packages, Horovod compiled against this torch, and
 #                                     # DeepSpeed, NVIDIA DALI (--data-backend dali) and TensorBoard (--tensorboard)

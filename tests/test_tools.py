@@ -41,6 +41,22 @@ def test_statistics_table_from_fixture_logs(tmp_path):
     assert "amp: partial (no DONE line" in r.stdout
     assert "horovod: no summary line (error: global batch -b 1 must be a multiple" in r.stdout  # under horovodrun's prefix
     assert (logs / "summary.md").read_text().startswith("| method |")
+    assert f"chart: {logs / 'summary.png'}" in r.stdout, "no chart drawn: scripts/install.sh installs matplotlib"
+    assert (logs / "summary.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_statistics_without_matplotlib_says_how_to_get_the_chart(tmp_path):
+    """A site-installed torch without the cookbook's install: the table, and one line naming the missing chart."""
+    logs = shutil.copytree(REPO / "tests" / "fixtures" / "logs", tmp_path / "logs")
+    (tmp_path / "matplotlib").mkdir()  # on PYTHONPATH, it shadows the installed one as if it were missing
+    (tmp_path / "matplotlib" / "__init__.py").write_text("raise ImportError('No module named matplotlib')\n")
+    r = subprocess.run(["bash", "statistics.sh", logs], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert "| dp | none |" in r.stdout
+    assert (f"no chart ({logs / 'summary.png'}): matplotlib is not installed; pip install matplotlib, then "
+            f"bash statistics.sh {logs}") in r.stdout
+    assert not (logs / "summary.png").exists()
 
 
 def test_statistics_reads_the_metrics_log(tmp_path):
