@@ -21,7 +21,7 @@ END = "# ---- end of shared helpers ----\n"
 SHARED_HELPERS = ["UsageError", "LocalError", "report", "log", "ArgumentParser", "number", "step_range",
                   "training_arguments", "seed_everything", "pick_device", "check_no_gpu_left_out", "require_bf16",
                   "check_batch", "join_process_group", "check_output_dir", "claim_output_dir", "common_seed",
-                  "build_datasets", "open_image", "load_image", "SyntheticImages", "build_model", "build_loaders",
+                  "build_datasets", "FileTable", "open_image", "load_image", "SyntheticImages", "build_model", "build_loaders",
                   "SampleSeeded", "EpochIndices", "ResumableSampler", "shard_batches", "import_dali", "DaliLoader",
                   "normalization", "to_device", "val_batches", "lr_schedule", "Progress", "AverageMeter",
                   "correct_counts", "diverged", "check_finite", "rng_state", "to_cpu", "checkpoint_paths", "digest",
