@@ -376,14 +376,15 @@ def test_spawned_workers_are_sent_a_small_dataset_at_any_size(tmp_path):
     from multiprocessing.reduction import ForkingPickler
     sizes = []
     for count in (10, 2000):
+        names = [f"image-{i:08d}-with-a-name-as-long-as-imagenets.JPEG" for i in range(count)]
         for split in ("train", "val"):
             folder = tmp_path / str(count) / split / "class-with-a-long-name"
             folder.mkdir(parents=True)
-            for i in range(count):  # ImageFolder lists the files; it reads none
-                (folder / f"image-{i:08d}-with-a-name-as-long-as-imagenets.JPEG").touch()
+            for name in names:  # ImageFolder lists the files; it reads none
+                (folder / name).touch()
         args = distributed.argument_parser().parse_args(["--data", str(tmp_path / str(count))])
         train, val, _ = distributed.build_datasets(args)
-        last = tmp_path / str(count) / "train" / folder.name / f"image-{count - 1:08d}-with-a-name-as-long-as-imagenets.JPEG"
+        last = tmp_path / str(count) / "train" / folder.name / names[-1]
         assert len(train) == count and train.samples[count - 1] == (str(last), 0)
         sizes.append(len(ForkingPickler.dumps(distributed.SampleSeeded(train, 0))))
     assert sizes[1] < 65536 and abs(sizes[1] - sizes[0]) < 64, sizes
