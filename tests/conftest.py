@@ -26,8 +26,17 @@ os.environ.setdefault("COOKBOOK_TEST_GPUS", os.environ.get("CUDA_VISIBLE_DEVICES
 GPU_ENV = {"CUDA_VISIBLE_DEVICES": None if os.environ["COOKBOOK_TEST_GPUS"] == "unset"
            else os.environ["COOKBOOK_TEST_GPUS"]}
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
+HOOKS = str(REPO / "tests" / "hooks")
+# The CPU suite's model: resnet18's stem and first block (tests/hooks/tiny_resnet.py), a ResNet with
+# BatchNorm, or GroupNorm with --norm group, as resnet18 is. What the tests prove (equal weights,
+# bitwise resumes, exact evaluation, one error line) does not depend on the depth; resnet18 cost a
+# run 4.6 CPU-s more in float64 (11.5 against 6.9, one process, EQUIV) and its checkpoints are 45 MB.
+# Tests whose bounds were measured on resnet18, or that show what resnet18 itself does, pass RESNET18
+# after FAST (argparse takes the last -a), as every explicit -a must come after FAST.
+TINY, RESNET18 = ["-a", "resnet_tiny"], ["-a", "resnet18"]
 # Flags every test run shares: 32 px digits, no loader workers unless a test asks, quiet progress.
-FAST = ["--image-size", "32", "-j", "0", "-p", "1000", "--seed", "0"]
+FAST_RESNET18 = ["--image-size", "32", "-j", "0", "-p", "1000", "--seed", "0"]
+FAST = FAST_RESNET18 + TINY
 
 
 @dataclass
@@ -91,9 +100,10 @@ def launch_command(script, launcher, nproc):
 
 
 def environment(env=None):
-    """This process's environment, one thread per process, plus `env`, whose None values unset."""
-    return {key: value for key, value in dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                                              **(env or {})).items() if value is not None}
+    """This process's environment, one thread per process, tests/hooks with resnet_tiny, plus `env`, whose
+    None values unset."""
+    return {key: value for key, value in dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=HOOKS,
+                                              COOKBOOK_TINY_RESNET="1", **(env or {})).items() if value is not None}
 
 
 def run(args, launcher="python", nproc=1, script="distributed.py", env=None, timeout=300, preexec_fn=None):
@@ -124,6 +134,9 @@ def script_module(script):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+script_module("tests/hooks/tiny_resnet.py").register()  # -a resnet_tiny in this process too, as in the runs
 
 
 def make_data(out, train, val):
@@ -159,8 +172,9 @@ def max_abs_diff(a, b):
 
 # ---- shared by every trainer's tests ----
 # EQUIV: the training-equivalence workload; the comment in test_distributed.py says why it is built so.
-EQUIV = ["--dummy", "--dummy-samples", 96, "-b", 32, "--epochs", 1, "--norm", "group", "--lr", 0.1,
-         "--warmup-epochs", 0.5] + FAST
+EQUIV_RESNET18 = ["--dummy", "--dummy-samples", 96, "-b", 32, "--epochs", 1, "--norm", "group", "--lr", 0.1,
+                  "--warmup-epochs", 0.5] + FAST_RESNET18
+EQUIV = EQUIV_RESNET18 + TINY
 # Equivalence runs compute in float64: pass env=FLOAT64 to run(). In float32, 2 ranks x 16 images
 # round differently from 1 process x 32 (another batch size, on some CPUs another oneDNN kernel),
 # and a ReLU or max-pool decision lying within that rounding of its threshold flips. Measured with
@@ -169,19 +183,19 @@ EQUIV = ["--dummy", "--dummy-samples", 96, "-b", 32, "--epochs", 1, "--norm", "g
 # the rounding is ~1e-16 and no decision flips (measured 2.2e-16 on both), so the tests demand
 # EQUIV_TOLERANCE, far below 1e-5, while a real error (a sum for a mean, a wrong shard, a lost or
 # doubled step) moves weights by more than 1e-3.
-FLOAT64 = {"PYTHONPATH": str(REPO / "tests" / "hooks"), "COOKBOOK_FLOAT64": "1"}
+FLOAT64 = {"COOKBOOK_FLOAT64": "1"}
 
 
 def fault_at(step):
     """Environment for run(): the step-th optimizer step of each process raises ("every": all do)."""
-    return {"PYTHONPATH": str(REPO / "tests" / "hooks"), "COOKBOOK_FAULT_STEP": str(step)}
+    return {"COOKBOOK_FAULT_STEP": str(step)}
 EQUIV_TOLERANCE = 1e-9
 
 
 def signal_at(step):
     """Environment for run(): each process sends itself SIGTERM in its step-th optimizer step, as a
     launcher stopping the job would (tests/hooks)."""
-    return {"PYTHONPATH": str(REPO / "tests" / "hooks"), "COOKBOOK_SIGNAL_STEP": str(step)}
+    return {"COOKBOOK_SIGNAL_STEP": str(step)}
 
 
 def resume_mid_epoch(out, interrupted, resumed, damaged=None):
@@ -208,16 +222,22 @@ def resume_mid_epoch(out, interrupted, resumed, damaged=None):
     return r
 
 
-def resume_batchnorm_mid_epoch(out, launch, straight):
-    """A 2-epoch run of a BatchNorm model (tiny_data, -b 32: 3 steps an epoch) stopped by SIGTERM in step 2
-    of epoch 1 and resumed from its checkpoint of that step: every rank's final weights and BatchNorm
-    running statistics (state_sha256 digests both) equal `straight`'s, the same run uninterrupted at the
-    same world size. launch(args, env) runs the trainer under test with its run's other arguments."""
-    r = launch(["--output-dir", out, "--epochs", 2, "-p", 1], signal_at(5))
-    assert r.returncode != 0 and "=> stopped on a signal after step 2 of epoch 1" in r.stdout, r.stdout + r.stderr
+def resume_twice_bitwise(out, launch, straight, signal_step=2):
+    """Resumes a BatchNorm model (tiny_data, -b 32: 3 steps an epoch) from out, which holds the checkpoint
+    of its first epoch's end, for a second epoch: stopped by SIGTERM in step 2 of epoch 1 (not of epoch 0:
+    the run began at the epoch's end), and resumed from its checkpoint of that step. Every rank's final
+    weights and BatchNorm running statistics (state_sha256 digests both) equal `straight`'s, the same
+    2 epochs uninterrupted at the same world size. launch(args, env) runs the trainer under test with
+    its run's other arguments. Returns the stopped run and the last one.
+
+    signal_step: the process's optimizer step that sends the signal, counting any step its resume takes."""
+    stopped = launch(["--output-dir", out, "--epochs", 2, "-p", 1, "--resume", "auto"], signal_at(signal_step))
+    assert stopped.returncode != 0 and "=> stopped on a signal after step 2 of epoch 1" in stopped.stdout, \
+        stopped.stdout + stopped.stderr
     r = launch(["--output-dir", out, "--epochs", 2, "--resume", "auto"], None).check()
     assert "(epoch 1, step 2)" in r.stdout and "Epoch: [1][3/3]" in r.stdout, r.stdout
     assert r.done["state_sha256"] == straight.done["state_sha256"]
+    return stopped, r
 
 
 def float64_weights(out):
@@ -228,18 +248,25 @@ def float64_weights(out):
 
 
 @pytest.fixture(scope="session")
-def single_process_weights(tmp_path_factory):
-    """EQUIV trained by one process, in float64: the reference of every equivalence test."""
+def single_process_run(tmp_path_factory):
+    """The output directory of EQUIV trained by one process, in float64 (copy it to resume it)."""
     out = tmp_path_factory.mktemp("single")
     run(["--output-dir", out] + EQUIV, env=FLOAT64).check()
-    return float64_weights(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def single_process_weights(single_process_run):
+    """EQUIV trained by one process, in float64: the reference of every equivalence test."""
+    return float64_weights(single_process_run)
 
 
 @pytest.fixture(scope="session")
 def float32_weights(tmp_path_factory):
-    """EQUIV trained by one process in float32 (float64 starts from other random weights): bf16's reference."""
+    """EQUIV on resnet18 trained by one process in float32 (float64 starts from other random weights): bf16's
+    reference (its bounds were measured on resnet18: test_methods.py's test_amp_bfloat16_follows_float32)."""
     out = tmp_path_factory.mktemp("single-float32")
-    run(["--output-dir", out] + EQUIV).check()
+    run(["--output-dir", out] + EQUIV_RESNET18).check()
     return load_state(out / "checkpoint.pth")["state_dict"]
 
 
@@ -252,7 +279,7 @@ def initial_weights(args):
     return distributed.build_model(parsed, distributed.build_datasets(parsed)[2]).state_dict()
 
 
-OVERFLOW_AT_STEP_1 = {"PYTHONPATH": str(REPO / "tests" / "hooks"), "COOKBOOK_OVERFLOW_STEP": "1"}
+OVERFLOW_AT_STEP_1 = {"COOKBOOK_OVERFLOW_STEP": "1"}
 
 
 def check_first_step_skipped(result, args, out):
@@ -276,8 +303,8 @@ def check_first_step_skipped(result, args, out):
 def assert_bf16_follows_float32(out, float32_weights, switch):
     """The bf16 EQUIV run written to out updated the weights nearly as float32 did, yet not equally
     (else `switch` did not apply). test_methods.py's test_amp_bfloat16_follows_float32 argues the bounds."""
-    initial = initial_weights(EQUIV)
-    bf16 = load_state(Path(out) / "checkpoint.pth")["state_dict"]
+    checkpoint = load_state(Path(out) / "checkpoint.pth")
+    initial, bf16 = initial_weights(EQUIV + ["-a", checkpoint["arch"]]), checkpoint["state_dict"]
     keys = [k for k in initial if initial[k].is_floating_point()]
     fp32_update = torch.cat([(float32_weights[k].double() - initial[k].double()).flatten() for k in keys])
     bf16_update = torch.cat([(bf16[k].double() - initial[k].double()).flatten() for k in keys])
@@ -296,7 +323,7 @@ def stall_a_rank(script, launcher, pid_to_stop, args, kill_on_error=False):
     """
     command = launch_command(script, launcher, 2) + [str(a) for a in FAST + [
         "--dummy", "--dummy-samples", 100000, "-b", 16, "-p", 5, "--dist-timeout", 5] + args]
-    proc = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(command, cwd=REPO, env=environment(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         next(line for line in proc.stdout if line.startswith("Epoch: [0]"))  # training has started
@@ -387,7 +414,7 @@ def bad_inputs(tiny_data, checkpoint, tmp):
         "one image per process": (["--data", tiny_data, "-b", 2], "torchrun", "-b 2 leaves 1 image per process"),
         "sync-bn on cpu": (data + ["--sync-bn"], "python", "--sync-bn needs CUDA"),
         "other arch checkpoint": (data + ["-a", "resnet34", "-e", "--resume", checkpoint], "python",
-                                  "is for arch 'resnet18', not 'resnet34'"),
+                                  "is for arch 'resnet_tiny', not 'resnet34'"),
         "truncated checkpoint": (data + ["-e", "--resume", truncated], "python", "cannot load checkpoint"),
         "code in checkpoint": (data + ["-e", "--resume", malicious], "python", "cannot load checkpoint"),
         "no such checkpoint": (data + ["--resume", tmp / "none.pth"], "python", "no checkpoint at"),

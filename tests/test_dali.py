@@ -11,7 +11,6 @@ sys.path.insert(0, str(REPO))
 import distributed  # noqa: E402  (the script itself, for its loaders)
 
 INSTALL = "bash scripts/install.sh --tests installs it"
-HOOKS = str(REPO / "tests" / "hooks")
 
 
 @pytest.fixture(autouse=True)
@@ -58,7 +57,7 @@ def test_dali_shards_the_epoch_and_evaluates_every_image_once(tiny_data, tmp_pat
     reads.mkdir()
     args = ["--data", tiny_data, "-b", 32, "--epochs", 1, "--amp-dtype", "float32", "--min-crop-scale", 0.35] + FAST
     r = run(args + ["--data-backend", "dali", "-j", 1, "--output-dir", tmp_path], "torchrun", 2,
-            "apex_distributed.py", env={"PYTHONPATH": HOOKS, "COOKBOOK_RECORD_READS": str(reads)}).check()
+            "apex_distributed.py", env={"COOKBOOK_RECORD_READS": str(reads)}).check()
     assert r.done["ranks_identical"] and r.summaries[0]["val_count"] == 37
     files = {rank: (reads / f"rank{rank}.txt").read_text().split() for rank in (0, 1)}
     for split, count in (("train", 96), ("val", 37)):
@@ -96,7 +95,7 @@ def test_missing_dali_is_one_line(tiny_data):
     """Where nvidia.dali cannot be imported (tests/hooks hides it): one line with the pip command for
     the CUDA that torch was built with, before any rendezvous."""
     r = run(["--data", tiny_data, "--data-backend", "dali"] + FAST, "torchrun", 2,
-            env={"PYTHONPATH": HOOKS, "COOKBOOK_HIDE_DALI": "1"})
+            env={"COOKBOOK_HIDE_DALI": "1"})
     cuda = (torch.version.cuda or "13").split(".")[0]
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode != 0 and len(errors) == 1, r.stderr

@@ -1,13 +1,12 @@
 """distributed.py across two real network hosts: two network namespaces joined by a veth pair
 (scripts/netns_hosts.sh), one torchrun (or legacy launcher) per host. A machine where the namespaces
 cannot be created fails these tests."""
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import EQUIV, PYTHON, REPO, Result, free_port, run
+from conftest import EQUIV, PYTHON, REPO, Result, environment, free_port, run
 
 NETNS = ["bash", str(REPO / "scripts" / "netns_hosts.sh")]
 HOSTS = [("cbhost0", "cb0", "10.77.0.1"), ("cbhost1", "cb1", "10.77.0.2")]
@@ -57,10 +56,9 @@ def test_two_hosts_equal_one_host(rdzv, tmp_path, one_host_digest):
     for node, (namespace, iface, _) in enumerate(HOSTS):
         # GLOO_SOCKET_IFNAME: this machine's host name resolves to 127.0.0.1, which gloo would
         # advertise to the other host; the veth interface makes it advertise the veth address.
-        command = (["ip", "netns", "exec", namespace, "env", f"GLOO_SOCKET_IFNAME={iface}", "OMP_NUM_THREADS=1",
-                    "PYTHONUNBUFFERED=1"] + launcher_on(node, port, rdzv)
+        command = (["ip", "netns", "exec", namespace, "env", f"GLOO_SOCKET_IFNAME={iface}"] + launcher_on(node, port, rdzv)
                    + [str(REPO / "distributed.py"), "--output-dir", str(tmp_path / f"node{node}")] + [str(a) for a in EQUIV])
-        procs.append(subprocess.Popen(command, cwd=REPO, env=dict(os.environ), stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen(command, cwd=REPO, env=environment(), stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     try:
         outputs = [p.communicate(timeout=240) for p in procs]

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from conftest import FAST, PYTHON, REPO, Result, run
+from conftest import FAST, PYTHON, REPO, RESNET18, Result, environment, run
 
 sys.path.insert(0, str(REPO))
 import distributed_slurm_main  # noqa: E402  (the script itself, for its pure helpers)
@@ -113,9 +113,8 @@ def test_first_host_matches_scontrol(nodelist):
 
 def sbatch(tmp, args, env=None):
     """Submit a batch job; returns its id and the file its output goes to."""
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     proc = subprocess.run(["sbatch", "--parsable", f"--output={tmp}/slurm-%j.out"] + [str(a) for a in args],
-                          cwd=REPO, env=full_env, capture_output=True, text=True, check=True)
+                          cwd=REPO, env=environment(env), capture_output=True, text=True, check=True)
     job = proc.stdout.strip().split(";")[0]
     return job, tmp / f"slurm-{job}.out"
 
@@ -124,7 +123,8 @@ def submit_training(tmp, data, output_dir, epochs, trainer_args=()):
     """scripts/slurm_train.sbatch as a user scales it down: sbatch options, knobs in the environment."""
     knobs = {"DATA": str(data), "OUTPUT_DIR": str(output_dir), "ARCH": "resnet18", "EPOCHS": str(epochs),
              "BATCH_SIZE": "32", "PYTHON": PYTHON}
-    return sbatch(tmp, SBATCH_SMALL + ["scripts/slurm_train.sbatch"] + FAST + list(trainer_args), env=knobs)
+    # resnet18 (FAST's resnet_tiny would override ARCH): its steps leave scancel time to signal the job mid-epoch.
+    return sbatch(tmp, SBATCH_SMALL + ["scripts/slurm_train.sbatch"] + FAST + RESNET18 + list(trainer_args), env=knobs)
 
 
 def job_state(job):

@@ -15,13 +15,18 @@ COOKBOOK_RECORD_WORKERS=D each DataLoader worker writes the command line of its 
                          started: a spawned interpreter's names spawn_main) to D/<pid>.txt;
 COOKBOOK_HIDE_DALI=1     nvidia.dali cannot be imported, as where it is not installed;
 COOKBOOK_CUDA_REPORT=DIR each process writes DIR/<its pid>: whether it started CUDA, as it exits.
-COOKBOOK_TINY_RESNET=1   --arch resnet_tiny exists: resnet18's stem and first block only (for --compile,
-                         whose inductor compiles resnet18 for minutes on a CPU, and a few blocks in seconds).
+COOKBOOK_TINY_RESNET=1   --arch resnet_tiny exists (tiny_resnet.py), once the process imports torchvision.
+
+conftest.environment() sets PYTHONPATH and COOKBOOK_TINY_RESNET for every process a test starts, launchers
+and probes too: this module imports torch only for the hooks that need it.
 """
 import os
 import signal
+import sys
 
-import torch
+if any(name in os.environ for name in ("COOKBOOK_FLOAT64", "COOKBOOK_FAULT_STEP", "COOKBOOK_OVERFLOW_STEP",
+                                       "COOKBOOK_SIGNAL_STEP", "COOKBOOK_RECORD_WORKERS", "COOKBOOK_CUDA_REPORT")):
+    import torch
 
 if os.environ.get("COOKBOOK_FLOAT64") == "1":
     torch.set_default_dtype(torch.float64)
@@ -94,8 +99,6 @@ if "COOKBOOK_RECORD_WORKERS" in os.environ:
     worker._worker_loop = recording_worker_loop
 
 if os.environ.get("COOKBOOK_HIDE_DALI") == "1":
-    import sys
-
     class HideDali:
         def find_spec(self, name, path=None, target=None):
             if name == "nvidia.dali" or name.startswith("nvidia.dali."):
@@ -114,18 +117,26 @@ if "COOKBOOK_CUDA_REPORT" in os.environ:
     atexit.register(report_cuda)
 
 if os.environ.get("COOKBOOK_TINY_RESNET") == "1":
-    import torch.nn as nn
-    import torchvision
-    from torchvision.models.resnet import BasicBlock
+    import importlib.abc
+    import importlib.util
 
-    class TinyResNet(torchvision.models.ResNet):
-        def __init__(self, num_classes=1000, norm_layer=None):
-            super().__init__(BasicBlock, [1, 1, 1, 1], num_classes=num_classes, norm_layer=norm_layer)
-            self.layer2 = self.layer3 = self.layer4 = nn.Identity()
-            self.fc = nn.Linear(64, num_classes)
+    class RegisterTinyResNet(importlib.abc.MetaPathFinder):
+        """Registers resnet_tiny right after torchvision.models is imported: importing torchvision here
+        would cost every process (a launcher's too) 3 CPU seconds."""
 
-    def resnet_tiny(**kwargs):
-        return TinyResNet(**kwargs)
+        def find_spec(self, name, path=None, target=None):
+            if name != "torchvision.models":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            exec_module = spec.loader.exec_module
 
-    resnet_tiny.__module__ = "torchvision.models.resnet"  # list_models(module=torchvision.models) lists it
-    torchvision.models._api.register_model()(resnet_tiny)
+            def exec_and_register(module):
+                exec_module(module)
+                import tiny_resnet
+                tiny_resnet.register()
+
+            spec.loader.exec_module = exec_and_register
+            return spec
+
+    sys.meta_path.insert(0, RegisterTinyResNet())
