@@ -549,6 +549,7 @@ class FileTable:
         return len(self.labels)
 
     def __getitem__(self, index):
+        index = range(len(self.labels))[index]  # a list's indexing: negative indices, IndexError past the end
         return os.fsdecode(self.chars[self.ends[index]:self.ends[index + 1]].numpy().tobytes()), int(self.labels[index])
 
 
@@ -1010,9 +1011,14 @@ def digest(path):
     return total.hexdigest()
 
 
+UMASK = os.umask(0o022)  # the process's umask: reading it means setting it, once, at import
+os.umask(UMASK)
+
+
 def write_atomically(path, write):
     """write(file) into a temporary file beside `path`, fsync'd, renamed over it: a crash leaves the old file whole."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    os.fchmod(fd, 0o666 & ~UMASK)  # open()'s mode, not mkstemp's 0600: colleagues and tools/ can read a run's files
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)

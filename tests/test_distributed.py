@@ -263,6 +263,11 @@ def test_mid_epoch_resume_skips_a_damaged_newest_checkpoint_bitwise(tmp_path, si
     assert [(r["kind"], r["position"]) for r in records] == [
         ("train", [0, 1]), ("train", [0, 3]), ("SUMMARY", [1, 0]), ("DONE", [1, 0])], records
     assert records[2]["val_acc1"] == r.summaries[0]["val_acc1"]
+    # Written through temporary files, yet with the mode open() gives under the umask (mkstemp's is 0600).
+    umask = os.umask(0o022)
+    os.umask(umask)
+    written = [p for p in tmp_path.iterdir() if p.name == "metrics.jsonl" or p.name.startswith("checkpoint")]
+    assert {p.stat().st_mode & 0o777 for p in written} == {0o666 & ~umask}, written
 
 
 def test_an_output_dir_in_use_is_refused(tmp_path):
