@@ -100,9 +100,10 @@ def launch_command(script, launcher, nproc):
 
 
 def environment(env=None):
-    """This process's environment, one thread per process, tests/hooks with resnet_tiny, plus `env`, whose
-    None values unset."""
-    return {key: value for key, value in dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=HOOKS,
+    """This process's environment, one thread per process, tests/hooks (before any PYTHONPATH of the site's: a
+    site-installed torch stays found) with resnet_tiny, plus `env`, whose None values unset."""
+    path = os.pathsep.join(filter(None, [HOOKS, os.environ.get("PYTHONPATH")]))
+    return {key: value for key, value in dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=path,
                                               COOKBOOK_TINY_RESNET="1", **(env or {})).items() if value is not None}
 
 

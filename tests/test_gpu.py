@@ -141,7 +141,7 @@ def test_cpu_flag_with_gpus_visible_starts_no_cuda(script, tmp_path, tiny_data):
     reports, out = tmp_path / "cuda", tmp_path / "out"
     reports.mkdir()
     r = gpu_run(["--data", tiny_data, "-b", 32, "--epochs", 1, "--cpu", "--output-dir", out] + FAST, script,
-                env={"PYTHONPATH": str(REPO / "tests" / "hooks"), "COOKBOOK_CUDA_REPORT": str(reports)}).check()
+                env={"COOKBOOK_CUDA_REPORT": str(reports)}).check()
     assert r.summaries[0]["device"] == "cpu"
     started = [p.read_text() for p in reports.iterdir()]
     assert len(started) > TWO and set(started) == {"False"}, started  # torchrun and its TWO workers at least
