@@ -16,7 +16,7 @@ import pytest
 
 # resnet18, as this suite has run on GPUs; the CPU suite runs resnet_tiny (conftest.TINY).
 from conftest import (EQUIV_RESNET18 as EQUIV, EQUIV_TOLERANCE, FAST_RESNET18 as FAST, FLOAT64, GPU_ENV,
-                      OVERFLOW_AT_STEP_1, PYTHON, REPO, assert_bf16_follows_float32, check_first_step_skipped,
+                      OVERFLOW_AT_STEP_1, PYTHON, assert_bf16_follows_float32, check_first_step_skipped,
                       environment, float64_weights, load_state, max_abs_diff, resume_mid_epoch, run, script_module)
 
 
