@@ -781,7 +781,7 @@ def build_loaders(args, train_set, val_set, world_size, rank, device, micro_batc
                    "worker_init_fn": ignore_stop_signals,
                    **({"multiprocessing_context": "spawn", "persistent_workers": True} if args.workers else {})}
     train_sampler.epoch, val_pending = None, []  # nothing to load yet
-    train_loader = torch.utils.data.DataLoader(train_set, max(1, micro_batch), sampler=EpochIndices(train_sampler),
+    train_loader = torch.utils.data.DataLoader(train_set, max(1, micro_batch), sampler=train_sampler,
                                                generator=torch.Generator().manual_seed(args.seed + rank),
                                                drop_last=True, **loader_args)
     val_loader = torch.utils.data.DataLoader(val_set, batch_sampler=val_pending, **loader_args)
@@ -795,7 +795,7 @@ def build_loaders(args, train_set, val_set, world_size, rank, device, micro_batc
 
 
 class SampleSeeded(torch.utils.data.Dataset):
-    """Seeds each sample's augmentation from (seed, epoch, index), its key (EpochIndices'): the same crop and flip
+    """Seeds each sample's augmentation from (seed, epoch, index), its key (ResumableSampler's): the same crop and flip
     at any world size, worker count or restart, so N processes train what one would, and a resume continues."""
 
     def __init__(self, dataset, seed):
@@ -817,25 +817,11 @@ class SampleSeeded(torch.utils.data.Dataset):
             return self.dataset[index]
 
 
-class EpochIndices(torch.utils.data.Sampler):
-    """A sampler's indices as (epoch, index) keys of SampleSeeded. The epoch travels with each index because
-    persistent loader workers keep the dataset copy they started with: an epoch set on it would never reach them."""
-
-    def __init__(self, sampler):
-        self.sampler = sampler
-
-    def __iter__(self):
-        epoch = self.sampler.epoch  # set_epoch came first (None: nothing to load yet, build_loaders starts the workers)
-        return iter(()) if epoch is None else ((epoch, index) for index in self.sampler)
-
-    def __len__(self):
-        return len(self.sampler)
-
-
 class ResumableSampler(torch.utils.data.distributed.DistributedSampler):
-    """DistributedSampler whose epoch can start part-way: set_epoch(epoch, skip) leaves out the first `skip`
-    indices of this rank's share, those a mid-epoch checkpoint had trained on. Shares interleave (rank r takes
-    positions r, r+W, ...): skipping k*B/W on every rank skips the first k global batches of B, at any world size."""
+    """DistributedSampler of (epoch, index) keys of SampleSeeded (the epoch travels with each index: persistent
+    loader workers keep the dataset copy they started with), whose epoch can start part-way: set_epoch(epoch, skip)
+    leaves out the first `skip` indices of this rank's share, those a mid-epoch checkpoint had trained on. Shares
+    interleave (rank r takes positions r, r+W, ...): skipping k*B/W on every rank skips the first k global batches."""
 
     skip = 0
 
@@ -844,7 +830,9 @@ class ResumableSampler(torch.utils.data.distributed.DistributedSampler):
         self.skip = skip
 
     def __iter__(self):
-        return itertools.islice(super().__iter__(), self.skip, None)
+        epoch = self.epoch  # None: nothing to load yet (build_loaders starts the workers)
+        indices = [] if epoch is None else itertools.islice(super().__iter__(), self.skip, None)
+        return ((epoch, index) for index in indices)
 
     def __len__(self):
         return super().__len__() - self.skip
@@ -892,14 +880,14 @@ class DaliLoader:
     def read(self, batch):
         """The batch's encoded files and labels (+ crop anchors, shapes and flips for training), as DALI takes them."""
         columns = [[], [], [], [], []]
-        for index in batch:
+        for epoch, index in batch:
             path, label = self.samples[index]
             columns[0].append(numpy.fromfile(path, dtype=numpy.uint8))
             columns[1].append(numpy.array(label))
             with open_image(path) as image:  # load_image's checks, train and val
-                if self.seeded:  # with the sampler's epoch, this pass's
+                if self.seeded:
                     crop, flip = self.transforms[0], self.transforms[1]
-                    with self.seeded.seeded(self.batches.sampler.epoch, index):
+                    with self.seeded.seeded(epoch, index):
                         top, left, height, width = crop.get_params(image, crop.scale, crop.ratio)
                         mirror = torch.rand(1) < flip.p
                     columns[2].append(numpy.array([left, top], dtype=numpy.int32))  # DALI's order: x, y
@@ -907,8 +895,8 @@ class DaliLoader:
                     columns[4].append(numpy.array(mirror.item(), dtype=numpy.int32))
         return columns if self.seeded else columns[:2]
 
-    def source(self):
-        self.pending.append(next(self.pass_batches))
+    def source(self):  # the next batch as (epoch, index) keys: the sampler's (train), or with no epoch (val)
+        self.pending.append([key if self.seeded else (None, key) for key in next(self.pass_batches)])
         return self.read(self.pending[-1])
 
     def pipeline(self, source):
@@ -953,7 +941,7 @@ class DaliLoader:
                 self.midway = False
                 return
             except RuntimeError as e:  # DALI's report names the operator, not the file: PIL's decode does
-                for index in itertools.chain(*self.pending):
+                for _, index in itertools.chain(*self.pending):
                     load_image(self.samples[index][0])
                 where = next((line for line in str(e).splitlines() if "operator" in line), "").rstrip(",")
                 raise LocalError(f"DALI cannot decode an image of this rank's next batches ({where}), though PIL "
