@@ -387,8 +387,7 @@ def pick_device(args, local_rank, local_world_size):
 
 
 def check_no_gpu_left_out():
-    """Torch sees no GPU: GPUs that nvidia-smi lists are an error, not a CPU run (a driver too old for the
-    wheel's CUDA would otherwise train N CPU processes on a GPU node in silence)."""
+    """Torch sees no GPU: GPUs that nvidia-smi lists are an error, not a silent CPU run (a driver too old for CUDA)."""
     if os.environ.get("CUDA_VISIBLE_DEVICES", "all").strip() in ("", "-1") or not shutil.which("nvidia-smi"):
         return  # GPUs hidden on purpose (as the CPU test suite does), or no NVIDIA driver
     try:
@@ -405,15 +404,13 @@ def check_no_gpu_left_out():
 
 
 def require_bf16(wanted, device, error):
-    """A bf16 flag on a GPU that cannot run bf16 natively is one error line. including_emulation=False:
-    older GPUs run bf16 only emulated (the default True says they support it)."""
+    """A bf16 flag on a GPU without native bf16 is one error line (older GPUs only emulate it, which True counts)."""
     if wanted and device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
         raise UsageError(error)
 
 
 def check_batch(args, world_size, replicas=1, sync_bn=False):
-    """-b must split into world_size processes x --grad-accum-steps micro-batches (x `replicas` in
-    each process: DataParallel's GPUs) and leave BatchNorm at least 2 images in each."""
+    """-b splits into processes x --grad-accum-steps (x DataParallel's GPUs: replicas), 2+ images each for BatchNorm."""
     if args.evaluate:
         return
     if args.batch_size % (world_size * args.grad_accum_steps):
@@ -427,13 +424,12 @@ def check_batch(args, world_size, replicas=1, sync_bn=False):
 
 
 def join_process_group(device, args, port_hint, **kwargs):
-    """init_process_group: nccl on GPUs, gloo on the CPU (or --dist-backend's); device_id binds an NCCL group
-    to this GPU. A rendezvous that fails is one error line; port_hint: what to do if the port is in use."""
+    """init_process_group; a rendezvous that fails is one error line, port_hint: what to do if the port is in use."""
     backend = args.dist_backend or dist.get_default_backend_for_device(device)
     if backend == "nccl" and device.type != "cuda":
         raise UsageError("--dist-backend nccl needs GPUs: leave it out on the CPU (gloo)")
     try:
-        dist.init_process_group(backend, device_id=device if backend == "nccl" else None,
+        dist.init_process_group(backend, device_id=device if backend == "nccl" else None,  # binds NCCL to this GPU
                                 timeout=timedelta(seconds=args.dist_timeout), **kwargs)
     except dist.DistNetworkError as e:
         raise UsageError(f"cannot join the process group at {os.environ.get('MASTER_ADDR')}:"
@@ -444,14 +440,13 @@ def join_process_group(device, args, port_hint, **kwargs):
 def check_output_dir(args):
     """Rank 0 finds out now, not after an epoch, if it cannot have --output-dir to itself. Collective, after the
     rendezvous (a rank 0 stopping alone before it would leave the others waiting): all stop on rank 0's verdict."""
-    problem = ""  # a str on every rank: Horovod names an object collective by its type
-    if RANK == 0 and not args.evaluate:
-        try:
+    try:
+        if RANK == 0 and not args.evaluate:
             claim_output_dir(args)
-        except UsageError as e:
-            problem = str(e)
-    problem = all_gather_objects(problem)[0]
-    if problem:
+        problem = ""  # a str on every rank: Horovod names an object collective by its type
+    except UsageError as e:
+        problem = str(e)
+    if problem := all_gather_objects(problem)[0]:
         raise UsageError(problem)
 
 
@@ -680,10 +675,9 @@ class SampleSeeded(torch.utils.data.Dataset):
             torch.random.default_generator.manual_seed(((self.seed * 1_000_003 + epoch) * 1_000_000_007 + index) % 2**63)
             yield
 
-    def __getitem__(self, key):
-        epoch, index = key
-        with self.seeded(epoch, index):
-            return self.dataset[index]
+    def __getitem__(self, key):  # (epoch, index)
+        with self.seeded(*key):
+            return self.dataset[key[1]]
 
 
 class ResumableSampler(torch.utils.data.distributed.DistributedSampler):
@@ -739,9 +733,8 @@ class DaliLoader:
         folder = dataset.dataset if self.seeded else dataset
         self.samples, self.transforms = folder.samples, folder.transform.transforms
         self.batches, self.batch_size, self.args, self.device = batches, batch_size, args, device
-        # What main_worker checkpoints of a DataLoader, its workers' seed source: DALI draws nothing from it.
-        self.generator = torch.Generator()
-        self.pipe, self.midway = None, False
+        # generator: main_worker checkpoints a DataLoader's (its workers' seed source); DALI draws nothing from it.
+        self.generator, self.pipe, self.midway = torch.Generator(), None, False
 
     def __len__(self):
         return len(self.batches)
@@ -755,7 +748,7 @@ class DaliLoader:
             columns[1].append(numpy.array(label))
             with open_image(path) as image:  # load_image's checks, train and val
                 if self.seeded:
-                    crop, flip = self.transforms[0], self.transforms[1]
+                    crop, flip = self.transforms[:2]
                     with self.seeded.seeded(epoch, index):
                         top, left, height, width = crop.get_params(image, crop.scale, crop.ratio)
                         mirror = torch.rand(1) < flip.p
@@ -776,25 +769,22 @@ class DaliLoader:
         @self.dali.pipeline_def(batch_size=self.batch_size, num_threads=max(1, self.args.workers),
                                 device_id=self.device.index if gpu else None)
         def pipe():
-            # adjust_orientation=False: the default loader ignores EXIF rotation too.
+            files, labels, *window = fn.external_source(source, num_outputs=5 if self.seeded else 2, batch=True)
+            decode = dict(device=decoder, output_type=types.RGB, adjust_orientation=False)  # EXIF: as the default
             if self.seeded:
-                files, labels, anchor, shape, mirror = fn.external_source(source, num_outputs=5, batch=True)
-                images = fn.decoders.image_slice(files, anchor, shape, device=decoder, output_type=types.RGB,
-                                                 normalized_anchor=False, normalized_shape=False,
-                                                 adjust_orientation=False)
-                images = fn.resize(images, resize_x=size, resize_y=size)
-                images = fn.crop_mirror_normalize(images, dtype=types.UINT8, output_layout="CHW", mirror=mirror)
+                anchor, shape, mirror = window
+                images = fn.decoders.image_slice(files, anchor, shape, normalized_anchor=False, normalized_shape=False,
+                                                 **decode)
+                images, options = fn.resize(images, resize_x=size, resize_y=size), {"mirror": mirror}
             else:
-                files, labels = fn.external_source(source, num_outputs=2, batch=True)
-                images = fn.decoders.image(files, device=decoder, output_type=types.RGB, adjust_orientation=False)
-                images = fn.resize(images, resize_shorter=self.transforms[0].size[0])
-                images = fn.crop_mirror_normalize(images, crop=(size, size), dtype=types.UINT8, output_layout="CHW")
-            return images, labels
+                images = fn.resize(fn.decoders.image(files, **decode), resize_shorter=self.transforms[0].size[0])
+                options = {"crop": (size, size)}
+            return fn.crop_mirror_normalize(images, dtype=types.UINT8, output_layout="CHW", **options), labels
         return pipe()
 
     def __iter__(self):
-        self.pass_batches = iter(self.batches)  # this epoch's: the sampler's set_epoch came first
-        self.pending = []  # the batches read and not yet delivered, oldest first
+        # This epoch's batches (the sampler's set_epoch came first); those read and not yet delivered, oldest first.
+        self.pass_batches, self.pending = iter(self.batches), []
         # One pipeline per loader, built at its first pass (seconds): DALI calls read() as it prefetches, the source's
         # StopIteration ends a pass, reset() readies the next. A pass left midway leaves batches queued: a new one.
         if self.pipe is None or self.midway:
@@ -815,10 +805,9 @@ class DaliLoader:
                 where = next((line for line in str(e).splitlines() if "operator" in line), "").rstrip(",")
                 raise LocalError(f"DALI cannot decode an image of this rank's next batches ({where}), though PIL "
                                  "decodes each: an unsupported file?") from None
-            # Zero-copy, as DALI's own DALIGenericIterator does with its default dynamic executor: the outputs stay
-            # alive while torch holds them, and from_dlpack makes DALI's GPU work ready on torch's stream. The labels
-            # are copied out of DALI's host buffer, which it may reuse before to_device's non_blocking copy has read
-            # it. The device is set for from_dlpack only, not for the step run while this generator waits.
+            # Zero-copy, as DALI's DALIGenericIterator with its default dynamic executor: the outputs live while torch
+            # holds them, and from_dlpack makes DALI's GPU work ready on torch's stream. The labels are copied: DALI
+            # may reuse its host buffer before to_device's non_blocking copy has read it. Device: for from_dlpack only.
             with self.device:
                 batch = torch.from_dlpack(images.as_tensor()), torch.from_dlpack(labels.as_tensor()).clone()
             yield batch
@@ -861,9 +850,8 @@ def lr_schedule(args, steps_per_epoch):
 
 
 class Progress:
-    """train()'s bookkeeping between steps, alike for every method: the data wait; every --print-freq steps (the
-    only host sync) the progress line and record, the loss's check and the stop signals; --save-every's
-    checkpoints. save(step) checkpoints the epoch after that many steps."""
+    """train()'s bookkeeping between steps, alike for every method: the data wait; every --print-freq steps (the only
+    host sync) the progress line and record, the loss's check, the stop signals; --save-every's save(steps done)."""
 
     started = False  # whether this process's loader workers have delivered their first batch
 
@@ -931,8 +919,7 @@ class AverageMeter:
         self.sums[:3] += torch.stack([loss_sum.double(), correct1.double(), correct5.double()])
         self.sums[3] += count  # a Python number: a kernel argument, not a host-to-device copy
 
-    def evaluated(self):
-        """The evaluation's metrics, reduced over ranks, and its line."""
+    def evaluated(self):  # the evaluation's metrics and line
         metrics = self.reduced()
         log(f" * Acc@1 {metrics['acc1']:.3f} Acc@5 {metrics['acc5']:.3f} Loss {metrics['loss']:.4f} "
             f"({metrics['count']} images)")
@@ -1036,11 +1023,8 @@ def seal(path, keep):
     write_atomically(path + ".sha256", lambda f: f.write(digest(path).encode()))
     directory, name = os.path.split(path)
     for old in checkpoint_paths(directory, name[:name.index("epoch") + 5])[keep:]:
-        if os.path.isdir(old):
-            shutil.rmtree(old)
-        else:
-            os.remove(old)
-        if os.path.exists(old + ".sha256"):
+        (shutil.rmtree if os.path.isdir(old) else os.remove)(old)
+        with contextlib.suppress(FileNotFoundError):
             os.remove(old + ".sha256")
 
 
@@ -1186,10 +1170,9 @@ def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_
 # ---- metrics and profiling: the run's lines, metrics.jsonl, TensorBoard, torch.profiler ----
 
 def report_start(model, world_size, device, micro_batch, args, *collectives):
-    """The run's first lines: what trains where, and the bytes each rank sends per optimizer step. collectives:
-    (kind, dtype: a torch dtype's name, fp16, bf16 or None/"none" for the parameter's own, count per step) of every
-    trainable parameter or gradient, sent as ring algorithms do: of B bytes, 2(N-1)/N B in an all_reduce, (N-1)/N B
-    in an all_gather or reduce_scatter (BatchNorm buffers and the metrics' few numbers left out)."""
+    """The run's first lines: what trains where, and the bytes each rank sends per optimizer step as ring algorithms
+    do (BatchNorm buffers and the metrics' few numbers left out). collectives: (kind, dtype: a torch dtype's name,
+    fp16, bf16 or None/"none" for the parameter's own, count per step) of every trainable parameter or gradient."""
     log(f"=> {METHOD}: world size {world_size}, device {device.type}, arch {args.arch}, global batch "
         f"{args.batch_size} ({micro_batch} per process x {args.grad_accum_steps} micro-batches), "
         f"launcher {launcher_name(args)}")
@@ -1217,10 +1200,7 @@ def summary(kind, **fields):
     write_metrics(kind, position, **fields)
 
 
-# Above this share of an epoch's training time spent waiting for batches, the input pipeline, not the model,
-# limits the run: removing the wait would make it up to 1 / (1 - 0.2) = 1.25x faster. A run not input-bound waits
-# a few percent (its workers fill their queues at each epoch's first batch); the workers' start-up is not counted.
-DATA_STALL_SHARE = 0.2
+DATA_STALL_SHARE = 0.2  # of an epoch's training time waiting for batches: the input limits the run (docs/input.md)
 
 
 def report_epoch(epoch, val, world_size, device, args, trained=None, start=None, lr=None):
@@ -1238,8 +1218,7 @@ def report_epoch(epoch, val, world_size, device, args, trained=None, start=None,
     if share > DATA_STALL_SHARE:
         log(f"=> data stall: {share:.0%} of this epoch's training time was spent waiting for batches (above "
             f"{DATA_STALL_SHARE:.0%}): the input pipeline limits this run. Try more loader workers (-j, now "
-            f"{args.workers}), --data-backend dali, fewer augmentations, or a resized copy of the data "
-            "(tools/resize_dataset.py); benchmarks/input_pipeline.py measures what each costs per core")
+            f"{args.workers}), --data-backend dali, or resized data (tools/resize_dataset.py): docs/input.md")
 
 
 def open_metrics(args, epoch, step, steps_per_epoch):
@@ -1251,12 +1230,10 @@ def open_metrics(args, epoch, step, steps_per_epoch):
     if os.path.isfile(path):
         with open(path) as f:
             for line in f:
-                try:
+                with contextlib.suppress(json.JSONDecodeError):  # the last line of a run killed while writing it
                     record = json.loads(line)
-                except json.JSONDecodeError:  # the last line of a run killed while writing it
-                    continue
-                if tuple(record["position"] or (0, 0)) <= (epoch, step):
-                    kept.append(json.dumps(record) + "\n")
+                    if tuple(record["position"] or (0, 0)) <= (epoch, step):
+                        kept.append(json.dumps(record) + "\n")
     write_atomically(path, lambda f: f.write("".join(kept).encode()))
     # O_APPEND and one os.write per record: a line is never interleaved or left half-buffered.
     METRICS.update(fd=os.open(path, os.O_WRONLY | os.O_APPEND), position=(epoch, step),
@@ -1373,14 +1350,12 @@ def stalled_ranks(grace=5.0):
     world_size, alive = dist.get_world_size(), []
 
     def check_in():  # in a thread: a client of a stopped store waits for ever, whatever its timeout
-        try:
+        with contextlib.suppress(dist.DistError):
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                   timeout=timedelta(seconds=grace))
             store.set(key + str(RANK), "1")
             time.sleep(grace)
             alive.extend(r for r in range(world_size) if store.check([key + str(r)]))
-        except dist.DistError:
-            pass
 
     thread = threading.Thread(target=check_in, daemon=True)
     thread.start()
@@ -1424,8 +1399,7 @@ def state_digest(model):
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
         tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(name.encode() + tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 # ---- end of shared helpers ----
