@@ -228,7 +228,7 @@ def main_worker(args):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(args, max(1, steps_per_epoch)))
     start_epoch, start_step, best_acc1 = resume_training(checkpoint, optimizer, scheduler, train_loader, rank,
                                                          world_size, [device], args)
-    open_metrics(args, start_epoch, start_step, steps_per_epoch)  # rank 0: metrics.jsonl, past steps only
+    open_metrics(args, start_epoch, start_step)  # rank 0: metrics.jsonl, past steps only
     start_profile(args, device, start_epoch, start_step, steps_per_epoch)  # --profile: every rank
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):  # the scheduler came after the load
         group["lr"] = lr
@@ -415,7 +415,6 @@ def training_arguments(description):
     add("--wd", "--weight-decay", type=number(float, 0), default=1e-4, dest="weight_decay", help="weight decay")
     add("-p", "--print-freq", type=number(int, 1), default=10, help="print (and reduce metrics) every N steps")
     add("--output-dir", default="checkpoints", help="where checkpoints and metrics.jsonl are written")
-    add("--tensorboard", action="store_true", help="also write the metrics in --output-dir/tensorboard")
     add("--save-every", type=number(int, 0), default=0, metavar="N", help="also checkpoint every N steps")
     add("--keep-checkpoints", type=number(int, 1), default=2, metavar="K", help="keep the newest K checkpoints")
     add("--resume", default="", metavar="PATH", help="checkpoint to resume from; 'auto': --output-dir's newest")
@@ -527,12 +526,6 @@ OUTPUT_LOCK = []  # rank 0's open lock file of --output-dir, held for the whole 
 
 def claim_output_dir(args):
     """check_output_dir's checks, on rank 0, which then holds --output-dir's lock (flock) for the whole run."""
-    if args.tensorboard:
-        try:
-            import torch.utils.tensorboard  # noqa: F401 (only to find out whether it imports)
-        except ImportError:
-            raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard "
-                             "(or drop --tensorboard: metrics.jsonl has the same metrics)") from None
     try:
         os.makedirs(args.output_dir, exist_ok=True)
         tempfile.TemporaryFile(dir=args.output_dir).close()
@@ -1261,7 +1254,7 @@ def report_start(model, world_size, device, micro_batch, args, *collectives):
         + (f" ({' + '.join(what)} of {numel:,} parameters, ring algorithms)" if what else " (one process)"))
 
 
-METRICS = {}  # rank 0's metrics log (open_metrics): its file, where training is, TensorBoard's writer
+METRICS = {}  # rank 0's metrics log (open_metrics): its file, where training is
 
 
 def summary(kind, **fields):
@@ -1293,7 +1286,7 @@ def report_epoch(epoch, val, world_size, device, args, trained=None, start=None,
             f"{args.workers}), --data-backend dali, or resized data (tools/resize_dataset.py): docs/input.md")
 
 
-def open_metrics(args, epoch, step, steps_per_epoch):
+def open_metrics(args, epoch, step):
     """Rank 0, once it knows where training starts (epoch, step): metrics.jsonl loses the records after it, which
     a resumed run would write twice (rewritten atomically); then write_metrics appends, one write() a line."""
     if RANK != 0 or args.evaluate:
@@ -1308,17 +1301,12 @@ def open_metrics(args, epoch, step, steps_per_epoch):
                         kept.append(json.dumps(record) + "\n")
     write_atomically(path, lambda f: f.write("".join(kept).encode()))
     # O_APPEND and one os.write per record: a line is never interleaved or left half-buffered.
-    METRICS.update(fd=os.open(path, os.O_WRONLY | os.O_APPEND), position=(epoch, step),
-                   steps_per_epoch=max(1, steps_per_epoch))
-    if args.tensorboard:
-        from torch.utils.tensorboard import SummaryWriter
-        # purge_step: TensorBoard hides the events a previous run wrote from this step on.
-        METRICS["writer"] = SummaryWriter(os.path.join(args.output_dir, "tensorboard"),
-                                          purge_step=epoch * METRICS["steps_per_epoch"] + step)
+    METRICS.update(fd=os.open(path, os.O_WRONLY | os.O_APPEND), position=(epoch, step))
 
 
 def write_metrics(kind, position, **fields):
-    """Append one record at training position (epoch, steps done in it) to metrics.jsonl (and TensorBoard)."""
+    """Append one record at training position (epoch, steps done in it) to metrics.jsonl (TensorBoard's too:
+    tools/metrics_tensorboard.py)."""
     if "fd" not in METRICS:
         return
     METRICS["position"] = position
@@ -1328,12 +1316,6 @@ def write_metrics(kind, position, **fields):
     except OSError as e:  # a full disk or quota: one line, from rank 0, which writes it
         raise UsageError(f"cannot write metrics.jsonl in --output-dir: {e.strerror} (free space there; "
                          "checkpoints already there are intact)") from None
-    if "writer" in METRICS:
-        global_step = position[0] * METRICS["steps_per_epoch"] + position[1]
-        for key, value in fields.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                METRICS["writer"].add_scalar(f"{kind.lower()}/{key}", value, global_step)
-        METRICS["writer"].flush()
 
 
 PROFILE = {}  # --profile's torch.profiler while it runs

@@ -4,7 +4,7 @@
 #   bash scripts/install.sh           # trainers, demo data, start.sh's chart: requirements.txt, requirements-dev.txt
 #   bash scripts/install.sh --tests   # also the engines the tests start for real: the Slurm, munge and
 #                                     # iproute2 Debian packages, Horovod compiled against this torch, and
-#                                     # DeepSpeed, NVIDIA DALI (--data-backend dali) and TensorBoard (--tensorboard)
+#                                     # DeepSpeed, NVIDIA DALI (--data-backend dali) and TensorBoard (tools/metrics_tensorboard.py)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -35,7 +35,7 @@ if (( tests )); then
         DS_BUILD_OPS=0 .venv/bin/pip install --quiet --disable-pip-version-check --no-build-isolation \
             -c requirements.txt deepspeed==0.19.8
     fi
-    # TensorBoard for --tensorboard (optional for the trainers; the tests write its event files).
+    # TensorBoard for tools/metrics_tensorboard.py (not needed by the trainers; the tests write its event files).
     if ! .venv/bin/python -c 'import tensorboard, sys; sys.exit(tensorboard.__version__ != "2.21.0")' 2>/dev/null; then
         .venv/bin/pip install --quiet --disable-pip-version-check -c requirements.txt tensorboard==2.21.0
     fi

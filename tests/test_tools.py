@@ -1,6 +1,6 @@
 """statistics.sh on fixture logs, start.sh's command lines (--dry-run), gpu_check.sh's refusal without GPUs;
-profile_split.py and plot_profile.py on hand-made traces; README's computed table column, its snippets of the
-scripts, and the links of README and docs/."""
+profile_split.py and plot_profile.py on hand-made traces, metrics_tensorboard.py on a hand-made metrics.jsonl;
+README's computed table column, its snippets of the scripts, and the links of README and docs/."""
 import gzip
 import json
 import os
@@ -9,6 +9,8 @@ import shutil
 import subprocess
 from pathlib import Path
 from xml.etree import ElementTree
+
+import pytest
 
 from conftest import GLOO_THREAD, PYTHON, REPO, script_module, trace_op
 
@@ -362,3 +364,33 @@ def test_readme_and_docs_links_lead_somewhere(tmp_path):
     page.write_text("# A page\n\n[ok](#a-page) [gone](missing.md) [no heading](page.md#nowhere)\n"
                     "```\n[in code](missing.md)\n```\n![image](https://example.org/x.png)\n")
     assert [line.split(": ", 1)[1] for line in broken_links([page])] == ["missing.md", "page.md#nowhere"]
+
+
+def test_metrics_tensorboard_follows_a_resumed_run_without_repeating_steps(tmp_path):
+    """--follow: the event file is rewritten once metrics.jsonl changes; a resumed run's rewrite of it
+    (its repeated steps dropped, a new file in their place) leaves one point per step, the new ones."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def record(kind, epoch, step, **fields):
+        return json.dumps({"kind": kind, "position": [epoch, step], "time": 1e9 + 10 * epoch + step, **fields}) + "\n"
+    metrics = tmp_path / "metrics.jsonl"
+    # 4 steps an epoch, printed every 2; then a run killed while writing its last line.
+    metrics.write_text(record("train", 0, 2, loss=2.0) + record("train", 0, 4, loss=1.5)
+                       + record("SUMMARY", 1, 0, val_acc1=40.0, ranks_identical=True, method="ddp")
+                       + record("train", 1, 2, loss=1.2) + '{"kind": "train", "posi')
+    follow = subprocess.Popen([PYTHON, REPO / "tools" / "metrics_tensorboard.py", tmp_path, "--follow", "0.1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert follow.stdout.readline().startswith("4 records of"), follow.stderr.read()
+        # Resumed from the end of epoch 0: step 2 of epoch 1 again, with another loss (os.replace, as open_metrics).
+        resumed = tmp_path / "new.jsonl"
+        resumed.write_text("".join(metrics.read_text().splitlines(keepends=True)[:3]) + record("train", 1, 2, loss=1.1))
+        os.replace(resumed, metrics)
+        assert follow.stdout.readline().startswith("4 records of")
+    finally:
+        follow.kill()
+        follow.wait()
+    events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
+    assert [(s.step, s.value) for s in events.Scalars("train/loss")] == [(2, 2.0), (4, 1.5), (6, pytest.approx(1.1))]
+    assert [(s.step, s.value) for s in events.Scalars("summary/val_acc1")] == [(4, 40.0)]
+    assert "summary/ranks_identical" not in events.Tags()["scalars"]
