@@ -90,6 +90,12 @@ def setup_distributed(args):
     return RANK, world_size, device
 
 
+def require_bf16(wanted, device, error):
+    """A bf16 flag on a GPU without native bf16 is one error line (older GPUs only emulate it, which True counts)."""
+    if wanted and device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise UsageError(error)
+
+
 def launcher_name(args):
     return ("torch.distributed.launch" if args.local_rank is not None
             else "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "none")
@@ -533,12 +539,6 @@ def check_no_gpu_left_out():
                          "to train on the CPU")
 
 
-def require_bf16(wanted, device, error):
-    """A bf16 flag on a GPU without native bf16 is one error line (older GPUs only emulate it, which True counts)."""
-    if wanted and device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
-        raise UsageError(error)
-
-
 def check_batch(args, world_size, replicas=1, sync_bn=False):
     """-b splits into processes x --grad-accum-steps (x DataParallel's GPUs: replicas), 2+ images each for BatchNorm."""
     if args.evaluate:
@@ -554,12 +554,12 @@ def check_batch(args, world_size, replicas=1, sync_bn=False):
 
 
 def join_process_group(device, args, port_hint, **kwargs):
-    """init_process_group; a rendezvous that fails is one error line, port_hint: what to do if the port is in use."""
+    """init_process_group (device_id binds an NCCL group to this GPU); a rendezvous that fails is one error line."""
     backend = args.dist_backend or dist.get_default_backend_for_device(device)
     if backend == "nccl" and device.type != "cuda":
         raise UsageError("--dist-backend nccl needs GPUs: leave it out on the CPU (gloo)")
     try:
-        dist.init_process_group(backend, device_id=device if backend == "nccl" else None,  # binds NCCL to this GPU
+        dist.init_process_group(backend, device_id=device if backend == "nccl" else None,
                                 timeout=timedelta(seconds=args.dist_timeout), **kwargs)
     except dist.DistNetworkError as e:
         raise UsageError(f"cannot join the process group at {os.environ.get('MASTER_ADDR')}:"
@@ -1364,8 +1364,7 @@ def open_metrics(args, epoch, step):
 
 
 def write_metrics(kind, position, **fields):
-    """Append one record at training position (epoch, steps done in it) to metrics.jsonl (TensorBoard's too:
-    tools/metrics_tensorboard.py)."""
+    """Append one record at training position (epoch, steps done in it) to metrics.jsonl, rank 0's."""
     if "fd" not in METRICS:
         return
     METRICS["position"] = position
@@ -1474,17 +1473,6 @@ def stalled_ranks(grace=5.0):
     thread.start()
     thread.join(3 * grace)
     return [r for r in range(world_size) if r not in alive] if alive else [0]
-
-
-def supervise(processes):
-    """mp.spawn(join=False)'s wait: stop signals to the launcher (Slurm's may reach it alone) go on to each process."""
-    for signum in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(signum, lambda received, frame: [os.kill(pid, received) for pid in processes.pids()])
-    try:
-        while not processes.join(grace_period=10):  # a bad flag fails them all: 10 s for rank 0 to say why
-            pass
-    except torch.multiprocessing.ProcessExitedException as e:  # a failed one printed its error; a killed one not
-        sys.exit(e.exit_code if e.exit_code > 0 else f"error: {e}")
 
 
 STOP_SIGNALS = []  # the stop signals this process received (stop_on_signals)
