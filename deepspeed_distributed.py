@@ -664,8 +664,7 @@ class SyntheticImages(torch.utils.data.Dataset):
             raise IndexError(f"sample {index} of {self.count}")
         generator = torch.Generator().manual_seed(self.offset + index)
         image = torch.randint(0, 256, self.shape, dtype=torch.uint8, generator=generator)
-        label = int(torch.randint(self.num_classes, (), generator=generator))
-        return image, label
+        return image, int(torch.randint(self.num_classes, (), generator=generator))
 
 
 def build_model(args, num_classes):
@@ -706,9 +705,8 @@ def build_loaders(args, train_set, val_set, world_size, rank, device, micro_batc
     # Workers started by spawn (fork + exec), once per run (persistent), never forked from this process, whose torch
     # threads may hold locks a fork copies held for ever (CPython gh-112275: a hang at an epoch's start); not by
     # forkserver, which a launcher's SIGTERM to the process group ends, with its workers, before the checkpoint.
-    loader_args = {"num_workers": args.workers, "pin_memory": device.type != "cpu",
-                   "worker_init_fn": ignore_stop_signals,
-                   **({"multiprocessing_context": "spawn", "persistent_workers": True} if args.workers else {})}
+    loader_args = dict(num_workers=args.workers, pin_memory=device.type != "cpu", worker_init_fn=ignore_stop_signals,
+                       **({"multiprocessing_context": "spawn", "persistent_workers": True} if args.workers else {}))
     train_sampler.epoch, val_pending = None, []  # nothing to load yet
     train_loader = torch.utils.data.DataLoader(train_set, max(1, micro_batch), sampler=train_sampler,
                                                generator=torch.Generator().manual_seed(args.seed + rank),
@@ -746,10 +744,9 @@ class SampleSeeded(torch.utils.data.Dataset):
 
 
 class ResumableSampler(torch.utils.data.distributed.DistributedSampler):
-    """DistributedSampler of (epoch, index) keys of SampleSeeded (the epoch travels with each index: persistent
-    loader workers keep the dataset copy they started with), whose epoch can start part-way: set_epoch(epoch, skip)
-    leaves out the first `skip` indices of this rank's share, those a mid-epoch checkpoint had trained on. Shares
-    interleave (rank r takes positions r, r+W, ...): skipping k*B/W on every rank skips the first k global batches."""
+    """DistributedSampler of SampleSeeded's (epoch, index) keys: persistent loader workers keep the dataset copy they
+    started with, so the epoch travels with each index. set_epoch(epoch, skip) leaves out the first `skip` of this
+    rank's share (a mid-epoch checkpoint's): shares interleave, so k*B/W on every rank skips k global batches of B."""
 
     skip = 0
 
@@ -817,9 +814,8 @@ class DaliLoader:
                     with self.seeded.seeded(epoch, index):
                         top, left, height, width = crop.get_params(image, crop.scale, crop.ratio)
                         mirror = torch.rand(1) < flip.p
-                    columns[2].append(numpy.array([left, top], dtype=numpy.int32))  # DALI's order: x, y
-                    columns[3].append(numpy.array([width, height], dtype=numpy.int32))
-                    columns[4].append(numpy.array(mirror.item(), dtype=numpy.int32))
+                    for column, value in zip(columns[2:], ([left, top], [width, height], mirror.item())):  # x, y
+                        column.append(numpy.array(value, dtype=numpy.int32))
         return columns if self.seeded else columns[:2]
 
     def source(self):  # the next batch as (epoch, index) keys: the sampler's (train), or with no epoch (val)
@@ -1013,8 +1009,7 @@ def diverged(what, epoch, step, lr):
 # ---- checkpoints: writing, sealing, choosing and loading them ----
 
 def check_finite(tensors, epoch, step, lr):
-    """Before a checkpoint is written: its weights are finite, on every rank (one small collective). Of
-    sharded weights each rank checks its own shards: an FSDP DTensor's local part, ZeRO 3's ds_tensor."""
+    """Before a checkpoint: its weights are finite on every rank (one small collective; sharded: each its shards)."""
     tensors = [t.to_local() if hasattr(t, "to_local") else getattr(t, "ds_tensor", t) for t in tensors]
     bad = all_reduce_sum(torch.stack([t.detach().isfinite().all().logical_not() for t in tensors]).sum().double())
     if bad.item():
@@ -1036,8 +1031,7 @@ def to_cpu(state):
     return state.cpu() if isinstance(state, torch.Tensor) else state
 
 
-# Checkpoints named <prefix>N at the end of epoch N-1, <prefix>N-stepS within epoch N: single files
-# (+ .pth), FSDP's sharded directories, DeepSpeed's engine directories.
+# <prefix>N: at the end of epoch N-1, <prefix>N-stepS: in epoch N (.pth files; FSDP's, DeepSpeed's directories).
 CHECKPOINT_PREFIXES = ("checkpoint-epoch", "dcp-epoch", "ds-epoch")
 
 
@@ -1211,8 +1205,7 @@ def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_
             optimizer.load_state_dict(checkpoint["optimizer"])
             for group, keep in zip(optimizer.param_groups, chosen):
                 group.update(keep)
-            # A checkpoint keeps the memory layout of the run that wrote it (channels_last or not), and
-            # the fused step takes the state to be laid out as its parameter: copy it into that layout.
+            # A checkpoint keeps its writer's memory layout (channels_last or not); the fused step needs its param's.
             for param, state in optimizer.state.items():
                 for key, value in state.items():
                     if torch.is_tensor(value) and value.shape == param.shape and value.stride() != param.stride():
@@ -1237,7 +1230,7 @@ def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_
 def report_start(model, world_size, device, micro_batch, args, *collectives):
     """The run's first lines: what trains where, and the bytes each rank sends per optimizer step as ring algorithms
     do (BatchNorm buffers and the metrics' few numbers left out). collectives: (kind, dtype: a torch dtype's name,
-    fp16, bf16 or None/"none" for the parameter's own, count per step) of every trainable parameter or gradient."""
+    or None for the parameter's own, count per step) of every trainable parameter or gradient."""
     log(f"=> {METHOD}: world size {world_size}, device {device.type}, arch {args.arch}, global batch "
         f"{args.batch_size} ({micro_batch} per process x {args.grad_accum_steps} micro-batches), "
         f"launcher {launcher_name(args)}")
@@ -1245,8 +1238,7 @@ def report_start(model, world_size, device, micro_batch, args, *collectives):
     numel = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3 partitions keep the full size in ds_numel
     sent, what = 0, []
     for kind, dtype, count in collectives if world_size > 1 else []:
-        name = {"fp16": "float16", "bf16": "bfloat16", "none": None}.get(dtype, dtype)
-        dtype = getattr(torch, name) if name else None
+        dtype = getattr(torch, dtype) if dtype else None
         size = sum(getattr(p, "ds_numel", p.numel()) * (dtype or p.dtype).itemsize for p in params)
         sent += count * (2 if kind == "all_reduce" else 1) * (world_size - 1) * size // world_size
         what.append(f"{count} x {kind} in {str(dtype or params[0].dtype).removeprefix('torch.')}")
@@ -1281,9 +1273,8 @@ def report_epoch(epoch, val, world_size, device, args, trained=None, start=None,
             epoch_time=round(time.perf_counter() - start, 3), images_per_sec=round(metrics["count"] / train_time, 1),
             data_wait=round(share, 4), lr=lr)
     if share > DATA_STALL_SHARE:
-        log(f"=> data stall: {share:.0%} of this epoch's training time was spent waiting for batches (above "
-            f"{DATA_STALL_SHARE:.0%}): the input pipeline limits this run. Try more loader workers (-j, now "
-            f"{args.workers}), --data-backend dali, or resized data (tools/resize_dataset.py): docs/input.md")
+        log(f"=> data stall: {share:.0%} of this epoch's training time was spent waiting for batches: try more "
+            f"loader workers (-j, now {args.workers}), --data-backend dali, or resized data (tools/resize_dataset.py)")
 
 
 def open_metrics(args, epoch, step):
@@ -1348,8 +1339,7 @@ class Stopped(Exception):
     """Every rank stopped training after the same step, on a signal, and rank 0 wrote a checkpoint."""
 
 
-# What a collective raises where a peer process has exited: gloo's closed or reset connection (tcp/pair.cc), NCCL's
-# remote error or aborted communicator, Horovod's shutdown. Narrowly: any other RuntimeError is a bug (traceback).
+# What a collective raises where a peer process has exited (gloo: tcp/pair.cc); any other RuntimeError is a bug.
 PEER_EXITED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ncclRemoteError",
                "NCCL communicator was aborted", "Horovod has been shut down")
 
@@ -1364,9 +1354,8 @@ def run(main_worker, args):
         # FSDP's modules reach themselves through their hooks, so they outlive main_worker until a cyclic garbage
         # collection. At interpreter exit, freeing them (and their gloo work) can abort the process (seen in CI).
         gc.collect()
-        # Then leave: the group's last reference, dropped here, destroys it without the GIL. Dropped by DDP's
-        # reducer at main_worker's return, it held the GIL while joining gloo's threads, one of which needed it
-        # to free a collective's tensors: a hang (torch 2.11, --profile: every run here).
+        # Then leave: the group's last reference, dropped here, destroys it without the GIL. Dropped by DDP's reducer
+        # at main_worker's return, it held the GIL while joining gloo's threads, one needing it: a hang (torch 2.11).
         leave_process_group()
     except UsageError as e:
         report(e)
