@@ -631,7 +631,6 @@ def build_model(args, num_classes):
 
 
 def build_loaders(args, train_set, val_set, world_size, rank, device, micro_batch):
-    """This rank's train sampler, train loader and val loader, of --data-backend's kind."""
     train_set = SampleSeeded(train_set, args.seed)  # random crops and flips fixed per (seed, epoch, image)
     # DistributedSampler gives each rank a disjoint 1/W of a permutation that depends only on (seed, epoch), so the
     # ranks' micro-batches of a step form the batch one process would take. drop_last: no padding with duplicates.
@@ -714,7 +713,6 @@ def shard_batches(count, num_replicas, rank, batch_size):
 
 
 def import_dali():
-    """nvidia.dali and its pytorch plugin, or one error line with the pip command for this torch's CUDA."""
     try:
         import nvidia.dali
         import nvidia.dali.plugin.pytorch  # noqa: F401 (torch.from_dlpack takes DALI's outputs once it is loaded)
@@ -866,9 +864,8 @@ class Progress:
         self.start = self.interval_start = time.perf_counter()
 
     def timed(self, loader):
-        start, batches = time.perf_counter(), iter(loader)  # iter waits for workers started by build_loaders
-        while True:
-            batch = next(batches, None)
+        start = time.perf_counter()
+        for batch in itertools.chain(loader, [None]):  # iter(loader) waits for workers started by build_loaders
             waited = time.perf_counter() - start
             if self.args.workers and not Progress.started:  # the workers' (DALI's pipeline's) start-up, said once
                 Progress.started, self.start, self.interval_start = True, start + waited, start + waited
@@ -937,8 +934,7 @@ class AverageMeter:
                 "stop": stop > 0}
 
 
-def correct_counts(output, target, topk=(1, 5)):
-    """Number of samples whose target is among the top-k predictions, for each k (as tensors)."""
+def correct_counts(output, target, topk=(1, 5)):  # as tensors: no host sync
     maxk = min(max(topk), output.size(1))
     hits = output.topk(maxk, dim=1).indices.eq(target.view(-1, 1))
     return [hits[:, :min(k, maxk)].any(dim=1).sum() for k in topk]
