@@ -627,9 +627,8 @@ def build_loaders(args, train_set, val_set, world_size, rank, device, micro_batc
     loader_args = dict(num_workers=args.workers, pin_memory=device.type != "cpu", worker_init_fn=ignore_stop_signals,
                        **({"multiprocessing_context": "spawn", "persistent_workers": True} if args.workers else {}))
     train_sampler.epoch, val_pending = None, []  # nothing to load yet
-    train_loader = torch.utils.data.DataLoader(train_set, max(1, micro_batch), sampler=train_sampler,
-                                               generator=torch.Generator().manual_seed(args.seed + rank),
-                                               drop_last=True, **loader_args)
+    train_loader = torch.utils.data.DataLoader(train_set, max(1, micro_batch), sampler=train_sampler, drop_last=True,
+                                               generator=torch.Generator().manual_seed(args.seed + rank), **loader_args)
     val_loader = torch.utils.data.DataLoader(val_set, batch_sampler=val_pending, **loader_args)
     if args.workers:
         # Start both loaders' workers now, not at their first batch: importing torch (seconds) then overlaps the
@@ -697,8 +696,7 @@ def import_dali():
     except ImportError as e:
         cuda = (torch.version.cuda or "13").split(".")[0]
         raise UsageError(f"--data-backend dali needs NVIDIA DALI, which cannot be imported ({e}): pip install "
-                         f"nvidia-dali-cuda{cuda}0 (the CUDA {cuda} build, as this torch's), or use --data-backend "
-                         "torch") from None
+                         f"nvidia-dali-cuda{cuda}0 (for this torch's CUDA {cuda}), or --data-backend torch") from None
 
 
 class DaliLoader:
@@ -1144,12 +1142,10 @@ def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_
 # ---- metrics and profiling: the run's lines, metrics.jsonl, TensorBoard, torch.profiler ----
 
 def report_start(model, world_size, device, micro_batch, args, *collectives):
-    """The run's first lines: what trains where, and the bytes each rank sends per optimizer step as ring algorithms
-    do (BatchNorm buffers and the metrics' few numbers left out). collectives: (kind, dtype: a torch dtype's name,
-    or None for the parameter's own, count per step) of every trainable parameter or gradient."""
-    log(f"=> {METHOD}: world size {world_size}, device {device.type}, arch {args.arch}, global batch "
-        f"{args.batch_size} ({micro_batch} per process x {args.grad_accum_steps} micro-batches), "
-        f"launcher {launcher_name(args)}")
+    """The run's first lines: what trains where, and the bytes each rank sends per step by ring algorithms (BatchNorm
+    buffers, metrics left out). collectives: (kind, a torch dtype's name or None: the parameter's, count per step)."""
+    log(f"=> {METHOD}: world size {world_size}, device {device.type}, arch {args.arch}, global batch {args.batch_size} "
+        f"({micro_batch} per process x {args.grad_accum_steps} micro-batches), launcher {launcher_name(args)}")
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3 partitions keep the full size in ds_numel
     sent, what = 0, []
@@ -1163,6 +1159,7 @@ def report_start(model, world_size, device, micro_batch, args, *collectives):
 
 
 METRICS = {}  # rank 0's metrics log (open_metrics): its file, where training is
+DATA_STALL_SHARE = 0.2  # of an epoch's training time waiting for batches: the input limits the run (docs/input.md)
 
 
 def summary(kind, **fields):
@@ -1171,9 +1168,6 @@ def summary(kind, **fields):
     # An epoch's SUMMARY comes after its last step: it sits at the next epoch's start (DONE: where training ended).
     position = (fields["epoch"] + 1, 0) if kind == "SUMMARY" and "epoch" in fields else METRICS.get("position")
     write_metrics(kind, position, **fields)
-
-
-DATA_STALL_SHARE = 0.2  # of an epoch's training time waiting for batches: the input limits the run (docs/input.md)
 
 
 def report_epoch(epoch, val, world_size, device, args, trained=None, start=None, lr=None):
