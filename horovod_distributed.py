@@ -147,8 +147,7 @@ def main_worker(args):
     checkpoint = load_checkpoint(args, model)
     parallel_model = model  # Horovod wraps the optimizer instead
     micro_batch = args.batch_size // world_size // args.grad_accum_steps
-    report_start(model, world_size, device, micro_batch, args,
-                 ("all_reduce", "float16" if args.fp16_allreduce else None, 1))
+    report_start(model, world_size, device, micro_batch, args, ("all_reduce", "fp16" if args.fp16_allreduce else None, 1))
     args.seed = common_seed(checkpoint, args)  # every rank shuffles alike: their shares partition the data
     train_sampler, train_loader, val_loader = build_loaders(args, train_set, val_set, world_size, rank, device,
                                                             micro_batch)
@@ -1146,14 +1145,15 @@ def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_
 
 def report_start(model, world_size, device, micro_batch, args, *collectives):
     """The run's first lines: what trains where, and the bytes each rank sends per step by ring algorithms (BatchNorm
-    buffers, metrics left out). collectives: (kind, a torch dtype's name or None: the parameter's, count per step)."""
+    buffers, metrics left out). collectives: (kind, dtype: torch's name, fp16, bf16, None/"none": own, count a step)."""
     log(f"=> {METHOD}: world size {world_size}, device {device.type}, arch {args.arch}, global batch {args.batch_size} "
         f"({micro_batch} per process x {args.grad_accum_steps} micro-batches), launcher {launcher_name(args)}")
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3 partitions keep the full size in ds_numel
     sent, what = 0, []
     for kind, dtype, count in collectives if world_size > 1 else []:
-        dtype = getattr(torch, dtype) if dtype else None
+        name = {"fp16": "float16", "bf16": "bfloat16", "none": None}.get(dtype, dtype)  # apex's --grad-compression
+        dtype = getattr(torch, name) if name else None
         size = sum(getattr(p, "ds_numel", p.numel()) * (dtype or p.dtype).itemsize for p in params)
         sent += count * (2 if kind == "all_reduce" else 1) * (world_size - 1) * size // world_size
         what.append(f"{count} x {kind} in {str(dtype or params[0].dtype).removeprefix('torch.')}")
@@ -1191,8 +1191,8 @@ def report_epoch(epoch, val, world_size, device, args, trained=None, start=None,
 
 
 def open_metrics(args, epoch, step):
-    """Rank 0, once it knows where training starts (epoch, step): metrics.jsonl loses the records after it, which
-    a resumed run would write twice (rewritten atomically); then write_metrics appends, one write() a line."""
+    """Rank 0, once it knows where training starts (epoch, step): metrics.jsonl loses the records after it, which a
+    resumed run would write twice (rewritten atomically); then write_metrics appends: one O_APPEND write() a line."""
     if RANK != 0 or args.evaluate:
         return
     path, kept = os.path.join(args.output_dir, "metrics.jsonl"), []
@@ -1204,7 +1204,6 @@ def open_metrics(args, epoch, step):
                     if tuple(record["position"] or (0, 0)) <= (epoch, step):
                         kept.append(json.dumps(record) + "\n")
     write_atomically(path, lambda f: f.write("".join(kept).encode()))
-    # O_APPEND and one os.write per record: a line is never interleaved or left half-buffered.
     METRICS.update(fd=os.open(path, os.O_WRONLY | os.O_APPEND), position=(epoch, step))
 
 
