@@ -702,7 +702,7 @@ class DaliLoader:
                     with self.seeded.seeded(epoch, index):
                         top, left, height, width = crop.get_params(image, crop.scale, crop.ratio)
                         mirror = torch.rand(1) < flip.p
-                    for column, value in zip(columns[2:], ([left, top], [width, height], mirror.item())):  # x, y
+                    for column, value in zip(columns[2:], ([left, top], [width, height], mirror.item())):  # DALI: x, y
                         column.append(numpy.array(value, dtype=numpy.int32))
         return columns if self.seeded else columns[:2]
 
@@ -1111,7 +1111,7 @@ def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_
     return checkpoint["epoch"], checkpoint.get("step", 0), checkpoint["best_acc1"]
 
 
-# ---- metrics and profiling: the run's lines, metrics.jsonl, TensorBoard, torch.profiler ----
+# ---- metrics and profiling: the run's lines, metrics.jsonl, torch.profiler ----
 
 def report_start(model, world_size, device, micro_batch, args, *collectives):
     """The run's first lines: what trains where, and the bytes each rank sends per step by ring algorithms (BatchNorm
