@@ -299,15 +299,15 @@ def test_an_output_dir_in_use_is_refused(tmp_path):
 PROGRESS = re.compile(r"Epoch: \[(\d+)\]\[\s*(\d+)/")
 
 
-def test_torchrun_restarts_killed_workers_then_stops_on_sigterm_bitwise(tiny_data, tmp_path):
-    """SIGKILL a worker from outside, twice, mid-epoch: rank 1, then rank 0, which writes the
-    checkpoints. torchrun --max-restarts=3 restarts all workers each time, and they resume from the
-    last --save-every checkpoint. Then SIGTERM torchrun itself in the next epoch, as a cluster ending
-    the job does: it passes the signal on, and the workers stop together within a step of it (they
-    check at each progress line, -p 1), checkpoint that step and exit. A new run with --resume auto
+def test_torchrun_restarts_a_killed_worker_then_stops_on_sigterm_bitwise(tiny_data, tmp_path):
+    """SIGKILL rank 0 from outside, mid-epoch: the worker that writes the checkpoints (torchrun restarts all
+    workers alike whichever one dies). torchrun --max-restarts=3 restarts them, and they resume from the last
+    --save-every checkpoint. Then SIGTERM torchrun itself in the next epoch, as a cluster ending the job does:
+    it passes the signal on, and the workers stop together within a step of it (they check at each progress
+    line, -p 1), checkpoint that step and exit. A new run with --resume auto
     ends bitwise where an uninterrupted run does, momentum included."""
-    # resnet18: the kills and the signal land a few steps apart as rank 0's progress lines are read; resnet_tiny's
-    # steps ran ahead of the reading (both kills resumed from step 5).
+    # resnet18: the kill and the signal land a few steps apart as rank 0's progress lines are read; resnet_tiny's
+    # steps ran ahead of the reading (kills resumed from step 5).
     args = ["--data", tiny_data, "-b", 16, "--epochs", 2] + FAST + RESNET18 + ["-p", 1, "-j", 1]  # 6 steps per epoch
     # Without loader workers, which train the same weights (test_seed_is_deterministic_with_loader_workers)
     # and would start 4 more interpreters.
@@ -328,10 +328,9 @@ def test_torchrun_restarts_killed_workers_then_stops_on_sigterm_bitwise(tiny_dat
         def reached(epoch, step):  # rank 0's progress lines: this attempt has done the step
             return lambda line: (m := PROGRESS.match(line)) and (int(m[1]), int(m[2])) >= (epoch, step)
         try:
-            for epoch, step, rank in [(0, 2, 1), (0, 4, 0)]:
-                read_until(reached(epoch, step))
-                os.kill(worker_pid(str(out), rank), signal.SIGKILL)
-                read_until(lambda line: line.startswith("=> loaded checkpoint"))  # the restarted workers resumed
+            read_until(reached(0, 3))
+            os.kill(worker_pid(str(out), 0), signal.SIGKILL)
+            read_until(lambda line: line.startswith("=> loaded checkpoint"))  # the restarted workers resumed
             signalled_after = int(PROGRESS.match(read_until(reached(1, 2)))[2])
             proc.send_signal(signal.SIGTERM)
             stopped = read_until(lambda line: line.startswith("=> stopped on a signal"))
@@ -342,7 +341,7 @@ def test_torchrun_restarts_killed_workers_then_stops_on_sigterm_bitwise(tiny_dat
     resumes = [tuple(map(int, m)) for m in re.findall(r"=> loaded checkpoint .* \(epoch (\d+), step (\d+)\)",
                                                       "".join(stdout))]
     # A kill right after a progress line may come before that step's checkpoint is written.
-    assert len(resumes) == 2 and resumes == sorted(set(resumes)) and all(step > 0 for _, step in resumes), resumes
+    assert len(resumes) == 1 and resumes[0][0] == 0 and resumes[0][1] > 0, resumes
     # The step under way when the signal came is finished; the line read may lag one step behind.
     stopped_after = int(re.search(r"after step (\d+) of epoch 1", stopped)[1])
     assert signalled_after < stopped_after <= signalled_after + 2, (signalled_after, stopped)
@@ -590,7 +589,9 @@ def test_an_error_every_rank_meets_is_printed_by_rank_0_and_the_others_wait_for_
             with pytest.raises(subprocess.TimeoutExpired):  # still waiting, its line left to rank 0
                 p.wait(timeout=2)
             p.send_signal(signal.SIGTERM)
-        assert p.wait(timeout=5) == 2
+        # Within 7 s of the signal: before report()'s 10 s deadline, so it was the signal (a process exiting under
+        # a loaded machine's 5+ s of torch's teardown failed a 5 s wait).
+        assert p.wait(timeout=7) == 2
         assert p.stderr.read() == ("" if rank else "error: bad\n")
 
 
