@@ -277,8 +277,8 @@ def test_gpu_check_runs_offline_on_a_cpu_machine_and_says_what_it_skipped(tmp_pa
 
 def test_readme_diff_column_is_what_diff_counts(tmp_path):
     """tools/readme_table.py --check passes on README.md, whose column is what the shell pipeline
-    counts for every script; on a copy with one count changed it fails naming the line, and a rewrite
-    restores the count."""
+    counts for every script, and whose count of the shared block's lines is `wc -l` minus the banner's
+    line; on a copy with a count changed it fails naming the line, and a rewrite restores the count."""
     tool = REPO / "tools" / "readme_table.py"
     r = subprocess.run([PYTHON, tool, "--check"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -288,16 +288,24 @@ def test_readme_diff_column_is_what_diff_counts(tmp_path):
         shell = subprocess.run(f"diff distributed.py {script} | grep -c '^[<>]'", shell=True, cwd=REPO,
                                capture_output=True, text=True)
         assert row[column] == shell.stdout.strip(), script
+    shell = subprocess.run("echo $(($(wc -l < distributed.py) - $(grep -n 'helpers shared by every script' "
+                           "distributed.py | head -1 | cut -d: -f1)))", shell=True, cwd=REPO, capture_output=True,
+                           text=True)
+    block = f"{int(shell.stdout):,}"
+    assert f"The block is **{block} lines**" in (REPO / "README.md").read_text()
 
     i, script, row, column = rows[-1]
     lines = (REPO / "README.md").read_text().splitlines(keepends=True)
     wrong = int(row[column]) + 1
     lines[i] = lines[i].replace(f"| {row[column]} |", f"| {wrong} |")
+    stated = next(k for k, line in enumerate(lines) if f"The block is **{block} lines**" in line)
+    lines[stated] = lines[stated].replace(f"**{block} lines**", "**7 lines**")
     copy = tmp_path / "README.md"
     copy.write_text("".join(lines))
     r = subprocess.run([PYTHON, tool, "--check", "--readme", copy], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
-    assert r.stderr.splitlines() == [f"README.md:{i + 1}: {script}: the table says {wrong}, diff gives {row[column]}"]
+    assert r.stderr.splitlines() == [f"README.md:{i + 1}: {script}: the table says {wrong}, diff gives {row[column]}",
+                                     f"README.md:{stated + 1}: the shared block: README says 7 lines, it has {block}"]
     subprocess.run([PYTHON, tool, "--readme", copy], check=True, capture_output=True, timeout=60)
     assert copy.read_text() == (REPO / "README.md").read_text()
 

@@ -5,6 +5,9 @@
     python tools/readme_table.py --check   # compare only: exit 1, listing each row that differs
     python tools/readme_table.py --readme COPY.md [--check]   # another copy of the README
 
+It also keeps README's count of the shared block's lines, the sentence "The block is **N lines**": the
+lines below the banner in distributed.py, what `wc -l` gives minus the banner's line number.
+
 A script's count is what `diff distributed.py X.py | grep -c '^[<>]'` prints: the lines it removes
 from distributed.py or adds. Both print, for each script, that count and how many lines it has above
 the shared helper block's banner (`# ---- helpers shared by every script ...`).
@@ -25,6 +28,7 @@ REFERENCE = "distributed.py"
 HEADER = "lines of `diff distributed.py X.py`"
 BANNER = "# ---- helpers shared by every script"
 SNIPPET = re.compile(r"<!-- snippet: (\S+) -->")
+BLOCK_COUNT = re.compile(r"The block is \*\*([\d,]+) lines\*\*")
 
 
 def diff_count(script):
@@ -137,6 +141,15 @@ def main(argv=None):
             mismatches.append(f"{readme.name}:{i + 1}: {script}: the table says {row[column]}, diff gives {count}")
             row[column] = str(count)
             lines[i] = "| " + " | ".join(row) + " |\n"
+    text, block = "".join(lines), len((REPO / REFERENCE).read_text().splitlines()) - lines_above_banner(REFERENCE) - 1
+    print(f"shared block: {block} lines")
+    stated = BLOCK_COUNT.search(text)
+    if not stated:
+        sys.exit(f'error: {readme.name} has no sentence "The block is **N lines**"')
+    if stated[1].replace(",", "") != str(block):
+        line = text.count("\n", 0, stated.start()) + 1
+        mismatches.append(f"{readme.name}:{line}: the shared block: README says {stated[1]} lines, it has {block:,}")
+        lines = (text[:stated.start(1)] + f"{block:,}" + text[stated.end(1):]).splitlines(keepends=True)
     missing = sorted({p.name for p in REPO.glob("*.py")} - {script for _, script, _, _ in rows})
     problems = [f"{readme.name}: {script} has no row in the table" for script in missing]
     if args.check:
