@@ -322,6 +322,8 @@ def log(*args, **kwargs):
 
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):  # one line and exit 2, as for any bad input, not the usage text too
+        if "--tensorboard" in message:  # the flag until 2026-11-26: the trainer records, a tool converts
+            message += ": TensorBoard's events are now written by tools/metrics_tensorboard.py OUTPUT_DIR [--follow 30]"
         report(UsageError(message))
         sys.exit(2)
 
