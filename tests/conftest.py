@@ -1,4 +1,6 @@
 """Test harness: runs the trainers as real subprocesses under real launchers (CPU, gloo, tiny images)."""
+import atexit
+import functools
 import importlib.util
 import json
 import os
@@ -9,6 +11,8 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -107,8 +111,44 @@ def environment(env=None):
                                               COOKBOOK_TINY_RESNET="1", **(env or {})).items() if value is not None}
 
 
+@functools.cache
+def zygote():
+    """This pytest process's tests/zygote.py: a Python with torch and torchvision imported, which forks the "forked"
+    runs. Its environment is every run's (the hooks in tests/hooks/sitecustomize.py act as it starts)."""
+    proc = subprocess.Popen([PYTHON, str(REPO / "tests" / "zygote.py")], cwd=REPO, env=environment(),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    atexit.register(proc.stdin.close)  # it ends when its input does
+    return proc
+
+
+def run_forked(command, env, timeout):
+    """`python SCRIPT ARGS` (command) as a child of zygote(): the script from its first line, torch already imported."""
+    hooks = {key: value for key, value in env.items() if key.startswith("COOKBOOK_")}
+    assert hooks == {key: value for key, value in environment().items() if key.startswith("COOKBOOK_")}, \
+        f"the hooks act as the zygote starts: run {hooks} with a launcher"
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        proc = zygote()
+        proc.stdin.write(json.dumps(dict(script=command[1], args=command[2:], env=env, cwd=str(REPO), stdout=out,
+                                         stderr=err)) + "\n")
+        proc.stdin.flush()
+        pid = json.loads(proc.stdout.readline())["pid"]
+        timer = threading.Timer(timeout, os.kill, (pid, signal.SIGKILL))
+        timer.start()
+        try:
+            returncode = json.loads(proc.stdout.readline())["returncode"]
+        finally:
+            timer.cancel()
+        assert returncode != -signal.SIGKILL, f"killed after {timeout} s: {command}"
+        return subprocess.CompletedProcess(command, returncode, Path(out).read_text(), Path(err).read_text())
+
+
 def run(args, launcher="python", nproc=1, script="distributed.py", env=None, timeout=300, preexec_fn=None):
-    """Run a trainer to completion and parse its machine-readable lines."""
+    """Run a trainer to completion and parse its machine-readable lines. launcher "forked": as "python", forked
+    from zygote() (only for runs that end at an error: a run that trains starts as its users start it)."""
+    if launcher == "forked":
+        proc = run_forked(launch_command(script, "python", 1) + [str(a) for a in args], environment(env), timeout)
+        return Result.parse(proc.returncode, proc.stdout, proc.stderr)
     proc = subprocess.run(launch_command(script, launcher, nproc) + [str(a) for a in args], cwd=REPO,
                           env=environment(env), capture_output=True, text=True, timeout=timeout,
                           preexec_fn=preexec_fn)
@@ -117,12 +157,20 @@ def run(args, launcher="python", nproc=1, script="distributed.py", env=None, tim
     return Result.parse(proc.returncode, proc.stdout, proc.stderr)
 
 
+@functools.cache  # once per pytest process: each probe is an interpreter importing torch
+def import_error(module, env):
+    """The last line of the error importing `module` in a process the tests would start (env: items), or None."""
+    probe = subprocess.run([PYTHON, "-c", f"import {module}"], capture_output=True, text=True,
+                           env=environment(dict(env)))
+    return (probe.stderr.strip().splitlines() or ["?"])[-1] if probe.returncode else None
+
+
 def require_engine(module, install, env=None):
     """Skip the test where `module` cannot be imported; fail it under CI=1, so CI never passes without
     the engine. `install` says how to get it."""
-    probe = subprocess.run([PYTHON, "-c", f"import {module}"], capture_output=True, text=True, env=environment(env))
-    if probe.returncode:
-        reason = f"{module} cannot be imported ({(probe.stderr.strip().splitlines() or ['?'])[-1]}): {install}"
+    error = import_error(module, tuple(sorted((env or {}).items())))
+    if error is not None:
+        reason = f"{module} cannot be imported ({error}): {install}"
         if os.environ.get("CI", "") not in ("", "0", "false"):
             pytest.fail(reason, pytrace=False)
         pytest.skip(reason)

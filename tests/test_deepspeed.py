@@ -153,12 +153,14 @@ def test_export_loads_into_a_plain_torchvision_model(straight):
 
 
 def test_resume_is_bitwise(straight, tiny_data, tmp_path):
-    """An epoch, then a second one resumed from the DeepSpeed checkpoint under torchrun, stopped mid-epoch
+    """The straight run's checkpoint of its first epoch, a second one resumed from it under torchrun, stopped mid-epoch
     and resumed again: the straight run's weights and BatchNorm statistics, bitwise (they depend on the
     restored ZeRO 3 shards, momentum, lr schedule and data order)."""
-    r, _, _ = straight
+    r, out, _ = straight
     split = ["--data", tiny_data, "--zero-stage", 3] + RESUME
-    ds(split + ["--epochs", 1, "--output-dir", tmp_path]).check()
+    # Its checkpoint of the first epoch's end (sealed by its digest) is what a run stopped there leaves behind.
+    shutil.copytree(out / "ds-epoch1", tmp_path / "ds-epoch1")
+    shutil.copyfile(out / "ds-epoch1.sha256", tmp_path / "ds-epoch1.sha256")
     stopped, resumed = resume_twice_bitwise(tmp_path, lambda args, env: ds(split + args, env=env), r)
     assert f"=> loaded checkpoint '{tmp_path / 'ds-epoch1'}' (epoch 1, step 0)" in stopped.stdout
     # The same evaluation and lr; its training meters count only the steps the last run took.
@@ -296,7 +298,7 @@ def test_bad_input(case, zero0, tiny_data, tmp_path):
         "code in checkpoint": (equiv + [code], "Weights only load failed"),
     }[case]
     out = tmp_path / "out"
-    r = ds(["--output-dir", out] + FAST + args, launcher="python", nproc=1)
+    r = run(["--output-dir", out] + FAST + args, "forked", script=SCRIPT)  # forked with torch imported: conftest.run
     assert r.returncode != 0
     assert len(error_lines(r)) == 1 and message in error_lines(r)[0], r.stderr
     assert "Traceback" not in r.stdout + r.stderr

@@ -137,18 +137,6 @@ def test_single_process_reference_trained(single_process_weights):
     assert 1e-3 < max_abs_diff(single_process_weights, initial) < 1
 
 
-def test_ddp_equals_single_process(tmp_path, single_process_weights):
-    run(["--output-dir", tmp_path] + EQUIV, launcher="torchrun", nproc=2, env=FLOAT64).check()
-    assert max_abs_diff(float64_weights(tmp_path), single_process_weights) <= EQUIV_TOLERANCE
-
-
-def test_grad_accumulation_equals_whole_batch(tmp_path, single_process_weights):
-    r = run(["--output-dir", tmp_path, "--grad-accum-steps", 2] + EQUIV,
-            launcher="torchrun", nproc=2, env=FLOAT64).check()
-    assert "(8 per process x 2 micro-batches)" in r.stdout
-    assert max_abs_diff(float64_weights(tmp_path), single_process_weights) <= EQUIV_TOLERANCE
-
-
 def test_same_global_batches_at_any_world_size(tiny_data):
     """Rank r's micro-batches of a step, interleaved, are exactly the batch one process takes:
     same images, same random crops and flips, whatever the world size or loader worker count."""
@@ -238,12 +226,14 @@ def test_checkpoint_from_a_gpu_resumes_on_the_cpu(tiny_data, checkpoint, tmp_pat
 
 
 @pytest.mark.parametrize("extra", [[], ["--grad-accum-steps", 2]], ids=["whole-batches", "accum2"])
-def test_mid_epoch_resume_trains_only_the_rest_at_any_world_size(extra, tmp_path, single_process_weights):
-    """2 processes fail in the last step of the epoch; 1 process resumes from their checkpoint after
-    step 2, skipping the 2 batches already trained on: its weights equal one uninterrupted process's
-    (retraining them, or skipping other batches, would not)."""
-    resume_mid_epoch(tmp_path, lambda args, env: run(args + extra, "torchrun", 2, env=env),
-                     lambda args, env: run(args + extra, env=env))
+def test_ddp_equals_one_process_and_resumes_mid_epoch_at_any_world_size(extra, tmp_path, single_process_weights):
+    """DDP on 2 processes trains steps 1 and 2 (with 2 micro-batches each: accumulation equals the whole batch),
+    stopped by a signal in step 2; 1 process resumes from their checkpoint, skipping the 2 batches already
+    trained on, and trains step 3: its weights equal one uninterrupted process's. A wrong gradient average,
+    retrained or skipped batches would each move them by more than 1e-3."""
+    r = resume_mid_epoch(tmp_path, lambda args, env: run(args + extra, "torchrun", 2, env=env),
+                         lambda args, env: run(args + extra, env=env))
+    assert ("(16 per process x 2 micro-batches)" if extra else "(32 per process x 1 micro-batches)") in r.stdout
     assert max_abs_diff(float64_weights(tmp_path), single_process_weights) <= EQUIV_TOLERANCE
 
 
@@ -522,7 +512,9 @@ def test_bad_input(case, tiny_data, checkpoint, tmp_path):
     args, launcher, message = bad_inputs(tiny_data, checkpoint, tmp_path)[case]
     checkpoint_before = checkpoint.read_bytes()
     out = tmp_path / "out"
-    r = run(["--output-dir", out] + FAST + args, launcher=launcher, nproc=2 if launcher == "torchrun" else 1)
+    # One process: forked with torch imported (the next test shows it the same as a plain python start).
+    r = run(["--output-dir", out] + FAST + args, launcher="forked" if launcher == "python" else launcher,
+            nproc=2 if launcher == "torchrun" else 1)
     assert r.returncode != 0
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], r.stderr
@@ -531,6 +523,21 @@ def test_bad_input(case, tiny_data, checkpoint, tmp_path):
     assert not (tmp_path / "code-ran").exists(), "loading a checkpoint ran pickled code"
     assert checkpoint.read_bytes() == checkpoint_before
     assert not list(out.glob("*.pth")) and not list(out.glob(".*.tmp"))
+
+
+def test_a_forked_run_ends_as_a_python_run(tiny_data, checkpoint, tmp_path):
+    """conftest's "forked" runs (tests/zygote.py) give what `python distributed.py` gives: the same output
+    and exit status, for an error line, an uncaught exception's traceback, and an exit from argparse."""
+    fault = tmp_path / "fault"
+    fault.write_text("raise RuntimeError('a bug')\n")
+    for args, script in [(["--data", tmp_path / "nope"], "distributed.py"), ([], fault),
+                         (["--epochs", "-1"], "distributed.py")]:
+        python, forked = (run(args, launcher, script=script) for launcher in ("python", "forked"))
+        assert python.returncode in (1, 2) and (forked.returncode, forked.stdout) == (python.returncode, python.stdout)
+        if script == fault:  # the traceback names the frames above the script too: the zygote's and runpy's
+            assert forked.stderr.endswith('fault", line 1, in <module>\n' + python.stderr.split("<module>\n")[-1])
+        else:
+            assert forked.stderr == python.stderr and forked.stderr.count("\n") == 1
 
 
 # (launcher, the rank that meets the bad image): (its script, split, image, loader, extra flags). Every

@@ -43,7 +43,10 @@ def test_runs_and_resumes_bitwise(script, launcher, nproc, extra, tiny_data, tmp
         name + suffix for name in ("checkpoint.pth", "checkpoint-epoch1.pth", "checkpoint-epoch2.pth")
         for suffix in ("", ".sha256")}
 
-    run(args + ["--epochs", 1, "--output-dir", tmp_path / "split"], launcher, nproc, script).check()
+    # Its checkpoint of the first epoch's end (sealed by its digest) is what a run stopped there leaves behind.
+    (tmp_path / "split").mkdir()
+    for name in ("checkpoint-epoch1.pth", "checkpoint-epoch1.pth.sha256"):
+        shutil.copyfile(tmp_path / "straight" / name, tmp_path / "split" / name)
     r = run(args + ["--epochs", 2, "--output-dir", tmp_path / "split", "--resume", "auto"], launcher, nproc,
             script).check()
     assert [s["epoch"] for s in r.summaries] == [1]
@@ -55,7 +58,7 @@ def test_runs_and_resumes_bitwise(script, launcher, nproc, extra, tiny_data, tmp
         assert straight["scaler"]["_growth_tracker"] > 0
 
 
-# ---- training equals one process ----
+# ---- training equals one process, and resumes mid-epoch ----
 
 @pytest.mark.parametrize("script,extra,tolerance", [
     # On the CPU DataParallel is one process on one device: the very computation of a 1-process
@@ -64,16 +67,10 @@ def test_runs_and_resumes_bitwise(script, launcher, nproc, extra, tiny_data, tmp
     (MP, [], EQUIV_TOLERANCE),  # 2 processes on one node; two nodes below
     (AMP, ["--amp-dtype", "float32"], EQUIV_TOLERANCE),  # autocast and GradScaler off: DDP's numerics exactly
 ])
-def test_training_equals_single_process(script, extra, tolerance, tmp_path, single_process_weights):
-    launcher, nproc = LAUNCHER[script]
-    run(["--output-dir", tmp_path] + EQUIV + extra, launcher, nproc, script, env=FLOAT64).check()
-    assert max_abs_diff(float64_weights(tmp_path), single_process_weights) <= tolerance
-
-
-@pytest.mark.parametrize("script,extra,tolerance", [(DP, [], 0.0), (MP, [], EQUIV_TOLERANCE),
-                                                    (AMP, ["--amp-dtype", "float32"], EQUIV_TOLERANCE)])
-def test_mid_epoch_resume_equals_single_process(script, extra, tolerance, tmp_path, single_process_weights):
-    """A run that fails in the last step resumes from its --save-every checkpoint after step 2."""
+def test_training_equals_single_process_and_resumes_mid_epoch(script, extra, tolerance, tmp_path,
+                                                                single_process_weights):
+    """Steps 1 and 2 on the script's processes, stopped by a signal in step 2; the same processes resume from its
+    checkpoint for step 3: the weights of one uninterrupted distributed.py process."""
     launcher, nproc = LAUNCHER[script]
     resume_mid_epoch(tmp_path, *[lambda args, env: run(args + extra, launcher, nproc, script, env=env)] * 2)
     assert max_abs_diff(float64_weights(tmp_path), single_process_weights) <= tolerance
@@ -293,9 +290,11 @@ def test_bad_input(script, case, tiny_data, checkpoint, tmp_path, busy_port):
     args, launcher, message = method_bad_inputs(tiny_data, checkpoint, tmp_path, busy_port)[case]
     if script == MP:
         launcher = "spawn"  # its only launch; distributed.py's cases name torchrun or python
+    elif launcher == "python":
+        launcher = "forked"  # with torch imported (test_distributed.py shows it the same as a plain python start)
     out = tmp_path / "out"
     env = {"CXX": "no-such-c++"} if case == "compile without a compiler" else None
-    r = run(["--output-dir", out] + FAST + args, launcher, 1 if launcher == "python" else 2, script, env=env)
+    r = run(["--output-dir", out] + FAST + args, launcher, 1 if launcher == "forked" else 2, script, env=env)
     assert r.returncode != 0
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], r.stderr
