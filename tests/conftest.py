@@ -1,5 +1,6 @@
 """Test harness: runs the trainers as real subprocesses under real launchers (CPU, gloo, tiny images)."""
 import atexit
+import fcntl
 import functools
 import importlib.util
 import json
@@ -194,10 +195,27 @@ def make_data(out, train, val):
     return out
 
 
+def once(tmp_path_factory, name, make):
+    """The folder make(folder) filled, made once in the whole test session: pytest-xdist's workers each run
+    a session fixture, and the first to ask makes it while the others wait (their temporary folders share
+    a parent). The tests only read it, or copy it to change it."""
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if "PYTEST_XDIST_WORKER" in os.environ else root
+    folder = root / f"shared-{name}"
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / f"shared-{name}.done").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            (root / f"shared-{name}.done").touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
     """96 train images (3 global batches of 32) and 37 val images: 37 is divisible by neither 2, 3 nor 4."""
-    return make_data(tmp_path_factory.mktemp("data") / "digits", 96, 37)
+    return once(tmp_path_factory, "data", lambda out: make_data(out / "digits", 96, 37)) / "digits"
 
 
 def load_state(path):
@@ -299,9 +317,7 @@ def float64_weights(out):
 @pytest.fixture(scope="session")
 def single_process_run(tmp_path_factory):
     """The output directory of EQUIV trained by one process, in float64 (copy it to resume it)."""
-    out = tmp_path_factory.mktemp("single")
-    run(["--output-dir", out] + EQUIV, env=FLOAT64).check()
-    return out
+    return once(tmp_path_factory, "single", lambda out: run(["--output-dir", out] + EQUIV, env=FLOAT64).check())
 
 
 @pytest.fixture(scope="session")
@@ -314,8 +330,7 @@ def single_process_weights(single_process_run):
 def float32_weights(tmp_path_factory):
     """EQUIV on resnet18 trained by one process in float32 (float64 starts from other random weights): bf16's
     reference (its bounds were measured on resnet18: test_methods.py's test_amp_bfloat16_follows_float32)."""
-    out = tmp_path_factory.mktemp("single-float32")
-    run(["--output-dir", out] + EQUIV_RESNET18).check()
+    out = once(tmp_path_factory, "single-float32", lambda out: run(["--output-dir", out] + EQUIV_RESNET18).check())
     return load_state(out / "checkpoint.pth")["state_dict"]
 
 
@@ -403,9 +418,8 @@ class RunsCode:
 
 @pytest.fixture(scope="session")
 def checkpoint(tiny_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ckpt")
-    run(["--data", tiny_data, "-b", 32, "--epochs", 1, "--output-dir", out] + FAST).check()
-    return out / "checkpoint.pth"
+    return once(tmp_path_factory, "ckpt", lambda out: run(["--data", tiny_data, "-b", 32, "--epochs", 1,
+                                                           "--output-dir", out] + FAST).check()) / "checkpoint.pth"
 
 
 def trace_op(name, start, end, thread=1, cat="cpu_op"):

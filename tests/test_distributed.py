@@ -299,8 +299,8 @@ def test_torchrun_restarts_a_killed_worker_then_stops_on_sigterm_bitwise(tiny_da
     # resnet18: the kill and the signal land a few steps apart as rank 0's progress lines are read; resnet_tiny's
     # steps ran ahead of the reading (kills resumed from step 5).
     args = ["--data", tiny_data, "-b", 16, "--epochs", 2] + FAST + RESNET18 + ["-p", 1, "-j", 1]  # 6 steps per epoch
-    # Without loader workers, which train the same weights (test_seed_is_deterministic_with_loader_workers)
-    # and would start 4 more interpreters.
+    # The straight run and the last resume without loader workers, which train the same weights
+    # (test_seed_is_deterministic_with_loader_workers) and would each start 4 more interpreters.
     straight = run(args + ["-j", 0, "--output-dir", tmp_path / "straight"], launcher="torchrun", nproc=2).check()
     out = tmp_path / "interrupted"
     command, env = restarting_torchrun(3, args + ["--save-every", 1, "--resume", "auto", "--output-dir", out])
@@ -337,7 +337,7 @@ def test_torchrun_restarts_a_killed_worker_then_stops_on_sigterm_bitwise(tiny_da
     assert signalled_after < stopped_after <= signalled_after + 2, (signalled_after, stopped)
     assert load_state(out / "checkpoint.pth")["step"] == stopped_after
 
-    resumed = run(args + ["--resume", "auto", "--output-dir", out], launcher="torchrun", nproc=2).check()
+    resumed = run(args + ["-j", 0, "--resume", "auto", "--output-dir", out], launcher="torchrun", nproc=2).check()
     assert f"(epoch 1, step {stopped_after})" in resumed.stdout
     assert resumed.done["state_sha256"] == straight.done["state_sha256"]
     assert torch.equal(*(load_state(d / "checkpoint.pth")["optimizer"]["state"][0]["momentum_buffer"]
