@@ -115,7 +115,7 @@ def environment(env=None):
 @functools.cache
 def zygote():
     """This pytest process's tests/zygote.py: a Python with torch and torchvision imported, which forks the "forked"
-    runs. Its environment is every run's (the hooks in tests/hooks/sitecustomize.py act as it starts)."""
+    runs. Its environment is every run's; a run's own COOKBOOK_* variables have its child run tests/hooks again."""
     proc = subprocess.Popen([PYTHON, str(REPO / "tests" / "zygote.py")], cwd=REPO, env=environment(),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     atexit.register(proc.stdin.close)  # it ends when its input does
@@ -125,13 +125,13 @@ def zygote():
 def run_forked(command, env, timeout):
     """`python SCRIPT ARGS` (command) as a child of zygote(): the script from its first line, torch already imported."""
     hooks = {key: value for key, value in env.items() if key.startswith("COOKBOOK_")}
-    assert hooks == {key: value for key, value in environment().items() if key.startswith("COOKBOOK_")}, \
-        f"the hooks act as the zygote starts: run {hooks} with a launcher"
+    hooks = hooks != {key: value for key, value in environment().items() if key.startswith("COOKBOOK_")}
     with tempfile.TemporaryDirectory() as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         proc = zygote()
         proc.stdin.write(json.dumps(dict(script=command[1], args=command[2:], env=env, cwd=str(REPO), stdout=out,
-                                         stderr=err)) + "\n")
+                                         stderr=err, hooks=os.path.join(HOOKS, "sitecustomize.py") if hooks else None))
+                         + "\n")
         proc.stdin.flush()
         pid = json.loads(proc.stdout.readline())["pid"]
         timer = threading.Timer(timeout, os.kill, (pid, signal.SIGKILL))
@@ -145,8 +145,9 @@ def run_forked(command, env, timeout):
 
 
 def run(args, launcher="python", nproc=1, script="distributed.py", env=None, timeout=300, preexec_fn=None):
-    """Run a trainer to completion and parse its machine-readable lines. launcher "forked": as "python", forked
-    from zygote() (only for runs that end at an error: a run that trains starts as its users start it)."""
+    """Run a trainer to completion and parse its machine-readable lines. launcher "forked": one process, as
+    "python", forked from zygote() (test_a_forked_run_ends_as_a_python_run; test_launchers starts a plain python,
+    and so do runs with loader workers: a spawned worker starts a Python of its own)."""
     if launcher == "forked":
         proc = run_forked(launch_command(script, "python", 1) + [str(a) for a in args], environment(env), timeout)
         return Result.parse(proc.returncode, proc.stdout, proc.stderr)
@@ -317,7 +318,7 @@ def float64_weights(out):
 @pytest.fixture(scope="session")
 def single_process_run(tmp_path_factory):
     """The output directory of EQUIV trained by one process, in float64 (copy it to resume it)."""
-    return once(tmp_path_factory, "single", lambda out: run(["--output-dir", out] + EQUIV, env=FLOAT64).check())
+    return once(tmp_path_factory, "single", lambda out: run(["--output-dir", out] + EQUIV, "forked", env=FLOAT64).check())
 
 
 @pytest.fixture(scope="session")
@@ -330,7 +331,7 @@ def single_process_weights(single_process_run):
 def float32_weights(tmp_path_factory):
     """EQUIV on resnet18 trained by one process in float32 (float64 starts from other random weights): bf16's
     reference (its bounds were measured on resnet18: test_methods.py's test_amp_bfloat16_follows_float32)."""
-    out = once(tmp_path_factory, "single-float32", lambda out: run(["--output-dir", out] + EQUIV_RESNET18).check())
+    out = once(tmp_path_factory, "single-float32", lambda out: run(["--output-dir", out] + EQUIV_RESNET18, "forked").check())
     return load_state(out / "checkpoint.pth")["state_dict"]
 
 
@@ -419,7 +420,7 @@ class RunsCode:
 @pytest.fixture(scope="session")
 def checkpoint(tiny_data, tmp_path_factory):
     return once(tmp_path_factory, "ckpt", lambda out: run(["--data", tiny_data, "-b", 32, "--epochs", 1,
-                                                           "--output-dir", out] + FAST).check()) / "checkpoint.pth"
+                                                           "--output-dir", out] + FAST, "forked").check()) / "checkpoint.pth"
 
 
 def trace_op(name, start, end, thread=1, cat="cpu_op"):

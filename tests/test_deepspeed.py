@@ -27,7 +27,7 @@ import torchvision
 
 # resnet18 for the equivalence runs: the tolerances and the errors they rule out were measured on it.
 from conftest import (EQUIV_RESNET18 as EQUIV, FAST, PYTHON, REPO, RESNET18, Result, RunsCode,
-                      assert_bf16_follows_float32, environment, free_port, launch_command, load_state, max_abs_diff,
+                      assert_bf16_follows_float32, environment, free_port, load_state, max_abs_diff,
                       require_engine, resume_twice_bitwise, run, script_module, signal_at)
 
 sys.path.insert(0, str(REPO))
@@ -55,11 +55,9 @@ def deepspeed_installed():
 
 
 def ds(args, launcher="torchrun", nproc=2, env=None, script=SCRIPT):
-    """Run a trainer as its users start it. Ranks that disagree on a collective wait for each other
-    until --dist-timeout: fail in 3 minutes, not 30."""
-    proc = subprocess.run(launch_command(script, launcher, nproc) + [str(a) for a in args], cwd=REPO,
-                          env=environment(env), capture_output=True, text=True, timeout=180)
-    return Result.parse(proc.returncode, proc.stdout, proc.stderr)
+    """Run a trainer as its users start it (one process: forked, conftest.run). Ranks that disagree on a
+    collective wait for each other until --dist-timeout: fail in 3 minutes, not 30."""
+    return run(args, "forked" if launcher == "python" else launcher, nproc, script, env, timeout=180)
 
 
 def ds_two_nodes(args, hostfile, env=None):
@@ -229,7 +227,7 @@ def test_mid_epoch_resume_at_the_same_world_size(deepspeed_installed, ddp_weight
     reshard: another world size is refused in one line. The same one resumes DDP's weights, from the
     checkpoint of step 1 when that of step 2 is damaged (its largest file cut short)."""
     interrupted(tmp_path, stage=2, extra=["--save-every", 1])
-    refused = ds(["--output-dir", tmp_path, "--zero-stage", 2, "--resume", "auto"] + EQUIV, launcher="python", nproc=1)
+    refused = run(["--output-dir", tmp_path, "--zero-stage", 2, "--resume", "auto"] + EQUIV, "forked", script=SCRIPT)
     assert refused.returncode != 0 and len(error_lines(refused)) == 1, refused.stderr
     assert "used a DP world size of 2 but the current world size is 1" in error_lines(refused)[0]
     shard = max((tmp_path / "ds-epoch0-step2").iterdir(), key=lambda p: p.stat().st_size)

@@ -19,7 +19,7 @@ import torchvision
 import torchvision.transforms.v2 as transforms
 from PIL import Image
 
-from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, PYTHON, REPO, RESNET18, assert_same_checkpoints,
+from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, PYTHON, REPO, RESNET18, assert_same_checkpoints,
                       bad_inputs, environment, fault_at, float64_weights, initial_weights, launch_command, load_state,
                       make_data, max_abs_diff, png_header, require_engine, resume_mid_epoch, resume_twice_bitwise,
                       run, script_module, stall_a_rank)
@@ -161,7 +161,7 @@ def test_exact_evaluation_at_any_world_size(tiny_data, checkpoint):
     for nproc in (1, 2, 3):
         # 5 val batches of 8 (the last of 5) dealt over the ranks: every rank evaluates some.
         r = run(["--data", tiny_data, "-e", "--resume", checkpoint, "--val-batch-size", 8] + FAST,
-                launcher="python" if nproc == 1 else "torchrun", nproc=nproc).check()
+                launcher="forked" if nproc == 1 else "torchrun", nproc=nproc).check()
         (s,) = r.summaries
         results[nproc] = (s["val_count"], s["val_loss"], s["val_acc1"], s["val_acc5"])
     assert results[1][0] == 37, "every val image must be counted exactly once"
@@ -232,7 +232,7 @@ def test_ddp_equals_one_process_and_resumes_mid_epoch_at_any_world_size(extra, t
     trained on, and trains step 3: its weights equal one uninterrupted process's. A wrong gradient average,
     retrained or skipped batches would each move them by more than 1e-3."""
     r = resume_mid_epoch(tmp_path, lambda args, env: run(args + extra, "torchrun", 2, env=env),
-                         lambda args, env: run(args + extra, env=env))
+                         lambda args, env: run(args + extra, "forked", env=env))
     assert ("(16 per process x 2 micro-batches)" if extra else "(32 per process x 1 micro-batches)") in r.stdout
     assert max_abs_diff(float64_weights(tmp_path), single_process_weights) <= EQUIV_TOLERANCE
 
@@ -241,7 +241,7 @@ def test_mid_epoch_resume_skips_a_damaged_newest_checkpoint_bitwise(tmp_path, si
     """The newest checkpoint cut short (a copy or a file system that lost its tail): --resume auto says
     so in one line and resumes from the one before it, and the run ends bitwise where an uninterrupted
     one does."""
-    r = resume_mid_epoch(tmp_path, lambda args, env: run(args, env=env), lambda args, env: run(args, env=env),
+    r = resume_mid_epoch(tmp_path, *[lambda args, env: run(args, "forked", env=env)] * 2,
                          damaged="checkpoint-epoch0-step2.pth")
     resumed = float64_weights(tmp_path)
     assert all(torch.equal(resumed[key], single_process_weights[key]) for key in single_process_weights)
@@ -279,7 +279,7 @@ def test_an_output_dir_in_use_is_refused(tmp_path):
         "to end, or pass another --output-dir"], second.stderr
     assert first.returncode == 0 and "DONE" in stdout, stdout + stderr
     files = {path: path.read_bytes() for path in tmp_path.iterdir()}
-    third = run(args)
+    third = run(args, "forked")
     assert third.returncode == 2 and third.stderr.splitlines() == [
         f"error: --output-dir '{tmp_path}' holds another run's checkpoints (checkpoint-epoch1.pth): pass --resume "
         "auto to continue that run, or another --output-dir for a new one"], third.stderr
@@ -391,7 +391,8 @@ def test_seed_is_deterministic_with_loader_workers(tiny_data, tmp_path):
         args = ["--data", tiny_data, "-b", 32, "--epochs", 2, "--image-size", 32, "-j", loader_workers, "-p", 1000,
                 "--seed", seed, "--output-dir", tmp_path / name]
         env = {"COOKBOOK_RECORD_WORKERS": str(workers)}
-        return run(args, env=env).check().done["state_sha256"]
+        # -j 0 forked (conftest.run): equal to the fresh interpreter with workers, so also a forked run's training.
+        return run(args, "forked" if loader_workers == 0 else "python", env=env).check().done["state_sha256"]
     without_workers = digest(7, "b", 0)
     assert digest(7, "a", 2) == without_workers
     started = [path.read_text() for path in workers.iterdir()]
@@ -527,7 +528,8 @@ def test_bad_input(case, tiny_data, checkpoint, tmp_path):
 
 def test_a_forked_run_ends_as_a_python_run(tiny_data, checkpoint, tmp_path):
     """conftest's "forked" runs (tests/zygote.py) give what `python distributed.py` gives: the same output
-    and exit status, for an error line, an uncaught exception's traceback, and an exit from argparse."""
+    and exit status, for an error line, an uncaught exception's traceback, and an exit from argparse. (The
+    weights they train: test_seed_is_deterministic_with_loader_workers.)"""
     fault = tmp_path / "fault"
     fault.write_text("raise RuntimeError('a bug')\n")
     for args, script in [(["--data", tmp_path / "nope"], "distributed.py"), ([], fault),

@@ -21,8 +21,8 @@ FSDP = "fsdp_distributed.py"
 
 
 def fsdp(args, nproc=2, script=FSDP, env=None):
-    """Run a trainer as its users start it: torchrun for several processes, plain python for one."""
-    return run(args, launcher="torchrun" if nproc > 1 else "python", nproc=nproc, script=script, env=env)
+    """Run a trainer as its users start it: torchrun for several processes, python for one (forked: conftest.run)."""
+    return run(args, launcher="torchrun" if nproc > 1 else "forked", nproc=nproc, script=script, env=env)
 
 
 def resume_args(tiny_data):

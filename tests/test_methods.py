@@ -207,14 +207,14 @@ def evaluate(script, launcher, nproc, tiny_data, checkpoint):
 
 @pytest.fixture(scope="module")
 def reference_eval(tiny_data, checkpoint):
-    return evaluate("distributed.py", "python", 1, tiny_data, checkpoint)
+    return evaluate("distributed.py", "forked", 1, tiny_data, checkpoint)
 
 
 # 3 ranks share the 5 val batches unevenly; fp32 scripts must also equal distributed.py's 1 process.
 @pytest.mark.parametrize("script,world_sizes", [(DP, [1]), (MP, [3]), (AMP, [1, 3])])
 def test_exact_evaluation_at_any_world_size(script, world_sizes, tiny_data, checkpoint, reference_eval):
     launcher = LAUNCHER[script][0]
-    results = [evaluate(script, "python" if nproc == 1 and launcher == "torchrun" else launcher, nproc,
+    results = [evaluate(script, "forked" if nproc == 1 else launcher, nproc,
                         tiny_data, checkpoint) for nproc in world_sizes]
     assert results[0][0] == 37, "every val image must be counted exactly once"
     assert all(result == results[0] for result in results)

@@ -7,7 +7,8 @@ environment, working directory, stdin (/dev/null), stdout and stderr (files), an
 SystemExit's status, a traceback and 1 for an uncaught exception, atexit handlers run. No torch op runs here
 before a fork, so no thread of torch's is copied half-way through its work.
 
-Protocol, one JSON line each way: {"script", "args", "env", "cwd", "stdout", "stderr"} in; {"pid"} as the
+Protocol, one JSON line each way: {"script", "args", "env", "cwd", "stdout", "stderr", "hooks"} in (hooks: the
+sitecustomize.py to run again in the child, for the run's own COOKBOOK_* variables, or null); {"pid"} as the
 child starts, then {"returncode"} (negative: killed by that signal, as subprocess reports it) as it ends.
 """
 import json
@@ -28,6 +29,8 @@ for line in sys.stdin:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        if request["hooks"]:  # tests/hooks/sitecustomize.py ran as this process started, without the run's variables
+            runpy.run_path(request["hooks"])
         sys.argv = [request["script"], *request["args"]]
         sys.path[0] = os.path.dirname(request["script"])  # as python puts the script's folder first
         runpy.run_path(request["script"], run_name="__main__")
