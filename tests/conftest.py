@@ -318,7 +318,8 @@ def float64_weights(out):
 @pytest.fixture(scope="session")
 def single_process_run(tmp_path_factory):
     """The output directory of EQUIV trained by one process, in float64 (copy it to resume it)."""
-    return once(tmp_path_factory, "single", lambda out: run(["--output-dir", out] + EQUIV, "forked", env=FLOAT64).check())
+    return once(tmp_path_factory, "single",
+                lambda out: run(["--output-dir", out] + EQUIV, "forked", env=FLOAT64).check())
 
 
 @pytest.fixture(scope="session")
@@ -331,7 +332,8 @@ def single_process_weights(single_process_run):
 def float32_weights(tmp_path_factory):
     """EQUIV on resnet18 trained by one process in float32 (float64 starts from other random weights): bf16's
     reference (its bounds were measured on resnet18: test_methods.py's test_amp_bfloat16_follows_float32)."""
-    out = once(tmp_path_factory, "single-float32", lambda out: run(["--output-dir", out] + EQUIV_RESNET18, "forked").check())
+    out = once(tmp_path_factory, "single-float32",
+               lambda out: run(["--output-dir", out] + EQUIV_RESNET18, "forked").check())
     return load_state(out / "checkpoint.pth")["state_dict"]
 
 
@@ -419,8 +421,9 @@ class RunsCode:
 
 @pytest.fixture(scope="session")
 def checkpoint(tiny_data, tmp_path_factory):
-    return once(tmp_path_factory, "ckpt", lambda out: run(["--data", tiny_data, "-b", 32, "--epochs", 1,
-                                                           "--output-dir", out] + FAST, "forked").check()) / "checkpoint.pth"
+    args = ["--data", tiny_data, "-b", 32, "--epochs", 1] + FAST
+    out = once(tmp_path_factory, "ckpt", lambda out: run(args + ["--output-dir", out], "forked").check())
+    return out / "checkpoint.pth"
 
 
 def trace_op(name, start, end, thread=1, cat="cpu_op"):
