@@ -67,7 +67,7 @@ def test_dali_shards_the_epoch_and_evaluates_every_image_once(tiny_data, tmp_pat
         if split == "train":
             assert len(shares[0]) == len(shares[1]) == count // 2, "ranks must take equal shares (lockstep)"
     (default,) = run(["--data", tiny_data, "-e", "--resume", tmp_path / "checkpoint.pth", "--amp-dtype", "float32"]
-                     + FAST, script="apex_distributed.py").check().summaries
+                     + FAST, "forked", script="apex_distributed.py").check().summaries
     dali = r.summaries[0]
     # Pixels differ by at most a grey level (test above): the loss moved by 1.4e-4 (relative) when measured.
     assert default["val_count"] == dali["val_count"] == 37
@@ -81,7 +81,7 @@ def test_dali_resumed_mid_epoch_on_2_processes_equals_1_process(tiny_data, tmp_p
     of 3 and resumed train the weights 1 process trains uninterrupted, as with the default loader."""
     args = ["--data", tiny_data, "--data-backend", "dali", "-b", 32, "--epochs", 1, "--norm", "group", "--lr", 0.1,
             "--warmup-epochs", 0.5, "--min-crop-scale", 0.35] + FAST
-    run(args + ["--output-dir", tmp_path / "one"], env=FLOAT64).check()
+    run(args + ["--output-dir", tmp_path / "one"], "forked", env=FLOAT64).check()
     r = run(args + ["--output-dir", tmp_path / "two", "-p", 1], "torchrun", 2, env={**FLOAT64, **signal_at(2)})
     assert r.returncode != 0 and "=> stopped on a signal after step 2 of epoch 0" in r.stdout, r.stdout + r.stderr
     r = run(args + ["--output-dir", tmp_path / "two", "--resume", "auto"], "torchrun", 2, env=FLOAT64).check()

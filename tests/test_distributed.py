@@ -61,7 +61,7 @@ def test_dummy_data_runs_and_gpus_torch_cannot_use_are_an_error_unless_cpu(tmp_p
     (tmp_path / "bin" / "nvidia-smi").chmod(0o755)
     env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": "GPU-00000000-none"}
     args = ["--dummy", "--dummy-samples", 64, "-b", 16, "--epochs", 1, "--output-dir", tmp_path] + FAST
-    refused = run(args, launcher="torchrun", nproc=2, env=env)
+    refused = run(args, "forked", env=env)
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
     assert refused.returncode != 0 and len(errors) == 1, refused.stderr
     assert "nvidia-smi lists 1 GPU(s) (driver 535.54.03) but torch" in errors[0] and "--cpu" in errors[0]
@@ -447,7 +447,7 @@ def test_data_stall_is_reported(tmp_path):
     subprocess.run([PYTHON, REPO / "tools" / "make_imagenet_like.py", "--out", tmp_path / "d", "--train-count", "64",
                     "--val-count", "8", "--classes", "2"], check=True, capture_output=True)
     r = run(["--data", tmp_path / "d", "-b", 32, "--epochs", 1, "--output-dir", tmp_path / "ckpt", "--profile", "2:2"]
-            + FAST + ["-a", "mobilenet_v3_small"]).check()
+            + FAST + ["-a", "mobilenet_v3_small"], "forked").check()
     # Profiled: one process has no communication at all, and the trace sees the loader's wait too.
     (p,) = profiles(r, tmp_path / "ckpt", 1, 1)
     assert p["comm_exposed"] == p["comm_overlapped"] == 0 and p["data_wait"] > 0.2 * p["step"], p

@@ -99,7 +99,7 @@ def test_exact_evaluation_at_any_world_size(two_epochs, tiny_data):
     for nproc in (1, 3):  # one rank: no launcher at all, hvd.init() alone
         # 5 val batches of 8 (the last of 5) dealt over the ranks: every rank evaluates some.
         r = hvd_run(["--data", tiny_data, "-e", "--resume", ckpt, "--val-batch-size", 8] + FAST, nproc=nproc,
-                    launcher="python" if nproc == 1 else "horovodrun").check()
+                    launcher="forked" if nproc == 1 else "horovodrun").check()
         (s,) = r.summaries
         results[nproc] = (s["val_count"], s["val_loss"], s["val_acc1"], s["val_acc5"])
     assert results[1][0] == 37, "every val image must be counted exactly once"

@@ -47,8 +47,8 @@ def test_runs_and_resumes_bitwise(script, launcher, nproc, extra, tiny_data, tmp
     (tmp_path / "split").mkdir()
     for name in ("checkpoint-epoch1.pth", "checkpoint-epoch1.pth.sha256"):
         shutil.copyfile(tmp_path / "straight" / name, tmp_path / "split" / name)
-    r = run(args + ["--epochs", 2, "--output-dir", tmp_path / "split", "--resume", "auto"], launcher, nproc,
-            script).check()
+    r = run(args + ["--epochs", 2, "--output-dir", tmp_path / "split", "--resume", "auto"],
+            "forked" if launcher == "python" else launcher, nproc, script).check()
     assert [s["epoch"] for s in r.summaries] == [1]
     straight, split = assert_same_checkpoints(tmp_path / "straight", tmp_path / "split")
     if script == AMP:
