@@ -290,6 +290,15 @@ def resume_mid_epoch(out, interrupted, resumed, damaged=None):
     return r
 
 
+def copy_checkpoint(source_dir, name, dest_dir):
+    """source_dir's checkpoint `name` (a file, or FSDP's and DeepSpeed's directory) with its digest, copied into
+    dest_dir: what a run stopped where that checkpoint was taken leaves behind."""
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    source = Path(source_dir) / name
+    (shutil.copytree if source.is_dir() else shutil.copyfile)(source, dest_dir / name)
+    shutil.copyfile(f"{source}.sha256", dest_dir / f"{name}.sha256")
+
+
 def resume_twice_bitwise(out, launch, straight, signal_step=2):
     """Resumes a BatchNorm model (tiny_data, -b 32: 3 steps an epoch) from out, which holds the checkpoint
     of its first epoch's end, for a second epoch: stopped by SIGTERM in step 2 of epoch 1 (not of epoch 0:

@@ -28,7 +28,7 @@ import torchvision
 # resnet18 for the equivalence runs: the tolerances and the errors they rule out were measured on it.
 from conftest import (EQUIV_RESNET18 as EQUIV, FAST, PYTHON, REPO, RESNET18, Result, RunsCode,
                       assert_bf16_follows_float32, environment, free_port, load_state, max_abs_diff,
-                      require_engine, resume_twice_bitwise, run, script_module, signal_at)
+                      copy_checkpoint, require_engine, resume_twice_bitwise, run, script_module, signal_at)
 
 sys.path.insert(0, str(REPO))
 import distributed  # noqa: E402  (the reference's state_digest)
@@ -156,9 +156,7 @@ def test_resume_is_bitwise(straight, tiny_data, tmp_path):
     restored ZeRO 3 shards, momentum, lr schedule and data order)."""
     r, out, _ = straight
     split = ["--data", tiny_data, "--zero-stage", 3] + RESUME
-    # Its checkpoint of the first epoch's end (sealed by its digest) is what a run stopped there leaves behind.
-    shutil.copytree(out / "ds-epoch1", tmp_path / "ds-epoch1")
-    shutil.copyfile(out / "ds-epoch1.sha256", tmp_path / "ds-epoch1.sha256")
+    copy_checkpoint(out, "ds-epoch1", tmp_path)  # the straight run's, of its first epoch
     stopped, resumed = resume_twice_bitwise(tmp_path, lambda args, env: ds(split + args, env=env), r)
     assert f"=> loaded checkpoint '{tmp_path / 'ds-epoch1'}' (epoch 1, step 0)" in stopped.stdout
     # The same evaluation and lr; its training meters count only the steps the last run took.

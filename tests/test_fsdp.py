@@ -11,8 +11,8 @@ import pytest
 import torchvision
 
 from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, PYTHON, REPO, RESNET18, RunsCode,
-                      assert_bf16_follows_float32, environment, float64_weights, load_state, max_abs_diff,
-                      resume_mid_epoch, resume_twice_bitwise, run)
+                      assert_bf16_follows_float32, copy_checkpoint, environment, float64_weights, load_state,
+                      max_abs_diff, resume_mid_epoch, resume_twice_bitwise, run)
 
 sys.path.insert(0, str(REPO))
 import distributed  # noqa: E402  (the reference's state_digest)
@@ -59,9 +59,7 @@ def test_runs_and_resumes_bitwise(straight, tiny_data, tmp_path):
         {".metadata", "__0_0.distcp", "__1_0.distcp", "trainer_state.pth"}
 
     split = tmp_path / "split"
-    # Its sharded checkpoint of the first epoch's end (sealed by its digest): what a run stopped there leaves behind.
-    shutil.copytree(out / "dcp-epoch1", split / "dcp-epoch1")
-    shutil.copyfile(out / "dcp-epoch1.sha256", split / "dcp-epoch1.sha256")
+    copy_checkpoint(out, "dcp-epoch1", split)  # the straight run's sharded one, of its first epoch
     # Resumed at the epoch's end, stopped mid-epoch and resumed again: the second epoch's weights depend on
     # the restored momentum, lr schedule and data order, and on the BatchNorm running statistics, buffers
     # which fully_shard leaves whole on every rank, each rank's its own until validate broadcasts rank 0's.

@@ -3,7 +3,6 @@
 Horovod is compiled against the installed torch by `bash scripts/install_horovod.sh`. Where it cannot be
 imported, the tests that need it skip; with CI=1 they fail instead, so CI never passes without Horovod.
 """
-import shutil
 import subprocess
 import sys
 
@@ -12,7 +11,7 @@ import torch
 import torchvision
 
 from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, PYTHON, REPO, assert_same_checkpoints, float64_weights,
-                      load_state, max_abs_diff, require_engine, resume_mid_epoch, run)
+                      copy_checkpoint, load_state, max_abs_diff, require_engine, resume_mid_epoch, run)
 # The DDP reference: the same flags, and distributed.py's single-process weights after one epoch.
 
 SCRIPT = "horovod_distributed.py"
@@ -65,9 +64,7 @@ def test_horovodrun_two_ranks(two_epochs):
 def test_resume_is_bitwise(two_epochs, tiny_data, tmp_path):
     two_epochs[0].check()
     run_args = ["--data", tiny_data, "--output-dir", tmp_path] + RESUME
-    # Its checkpoint of the first epoch's end (sealed by its digest) is what a run stopped there leaves behind.
-    for name in ("checkpoint-epoch1.pth", "checkpoint-epoch1.pth.sha256"):
-        shutil.copyfile(two_epochs[1] / name, tmp_path / name)
+    copy_checkpoint(two_epochs[1], "checkpoint-epoch1.pth", tmp_path)  # the straight run's, of its first epoch
     r = hvd_run(run_args + ["--epochs", 2, "--resume", "auto"], nproc=2).check()
     assert [s["epoch"] for s in r.summaries] == [1]
     assert_same_checkpoints(two_epochs[1], tmp_path)

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, RESNET18, environment, OVERFLOW_AT_STEP_1, REPO, assert_bf16_follows_float32,
-                      assert_same_checkpoints, bad_inputs, check_first_step_skipped, float64_weights, free_port,
-                      launch_command, load_state, max_abs_diff, resume_mid_epoch, run, script_module, stall_a_rank)
+                      assert_same_checkpoints, bad_inputs, check_first_step_skipped, copy_checkpoint, float64_weights,
+                      free_port, launch_command, load_state, max_abs_diff, resume_mid_epoch, run, script_module, stall_a_rank)
 
 DP, MP, AMP = "dataparallel.py", "multiprocessing_distributed.py", "apex_distributed.py"
 METHOD = {DP: "dataparallel", MP: "ddp-spawn", AMP: "amp"}
@@ -43,10 +43,7 @@ def test_runs_and_resumes_bitwise(script, launcher, nproc, extra, tiny_data, tmp
         name + suffix for name in ("checkpoint.pth", "checkpoint-epoch1.pth", "checkpoint-epoch2.pth")
         for suffix in ("", ".sha256")}
 
-    # Its checkpoint of the first epoch's end (sealed by its digest) is what a run stopped there leaves behind.
-    (tmp_path / "split").mkdir()
-    for name in ("checkpoint-epoch1.pth", "checkpoint-epoch1.pth.sha256"):
-        shutil.copyfile(tmp_path / "straight" / name, tmp_path / "split" / name)
+    copy_checkpoint(tmp_path / "straight", "checkpoint-epoch1.pth", tmp_path / "split")  # of the first epoch
     r = run(args + ["--epochs", 2, "--output-dir", tmp_path / "split", "--resume", "auto"],
             "forked" if launcher == "python" else launcher, nproc, script).check()
     assert [s["epoch"] for s in r.summaries] == [1]
