@@ -151,6 +151,48 @@ def test_step_split_of_a_known_gpu_timeline():
     assert parts["step"] == 200 and parts["data_wait"] == 30 and parts["optimizer"] == 0
 
 
+def test_profile_split_counts_dalis_fetch_as_data_wait():
+    """--data-backend dali has no DataLoader: the trainers name DaliLoader's fetch as torch names the
+    DataLoader's, and it is data wait as that one is, on the CPU and on GPUs; another loader's is not."""
+    op, dali = trace_op, "enumerate(DaliLoader)#DaliLoader.__next__"
+    cpu = [op("ProfilerStep#0", 0, 100, cat="user_annotation"), op(dali, 0, 10, cat="user_annotation"),
+           op("aten::convolution", 10, 50)]
+    assert profile_split.step_split(cpu)[0]["data_wait"] == 10
+    other_loader = op("MyLoader.__next__", 0, 10, cat="user_annotation")
+    assert profile_split.step_split(cpu[:1] + [other_loader])[0]["other"] == 100
+    wait = "enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__"
+    renamed = [{**e, "name": dali} if e["name"] == wait else e for e in gpu_trace()]
+    assert sum(e["name"] == dali for e in renamed) == 2
+    assert profile_split.step_split(renamed) == profile_split.step_split(gpu_trace())
+
+
+def test_profile_split_counts_gloos_device_copies_as_communication():
+    """gloo over CUDA tensors (2 ranks sharing a GPU) stages each through pinned host memory: the c10d op
+    launches the copy out (on a side stream), gloo's thread runs the collective on the CPU, then launches
+    the copy back. Those copies are communication, told by the thread and op that launched them: the
+    batch's copy, of the same name, is compute, and so is a backward kernel launched (by the main thread)
+    and running while gloo's collective runs. A hand-made step (CPU 0-100): the batch's copy 20-25,
+    forward 25-50, backward 50-70 with the bucket's copy out 50-55 under it (overlapped), the copy back
+    80-85 (exposed), the optimizer's kernel 90-95; the GPU idles 70-80 (gloo's ring) and 85-90."""
+    def launch(at, correlation, thread=1):
+        return {**trace_op("cudaMemcpyAsync", at, at + 1, thread=thread, cat="cuda_runtime"),
+                "args": {"correlation": correlation}}
+
+    def gpu(name, start, end, correlation, cat="gpu_memcpy", stream=7):
+        return {"ph": "X", "name": name, "cat": cat, "ts": start, "dur": end - start, "pid": 0, "tid": stream,
+                "args": {"correlation": correlation}}
+    op, htod = trace_op, "Memcpy HtoD (Pinned -> Device)"
+    events = [GLOO_THREAD, op("ProfilerStep#1", 0, 100, cat="user_annotation"), launch(12, 1), gpu(htod, 20, 25, 1),
+              launch(14, 2), gpu("void cudnn::conv_fwd", 25, 50, 2, cat="kernel"),
+              launch(41, 3), gpu("void cudnn::conv_bwd", 50, 70, 3, cat="kernel"),
+              op("c10d::allreduce_", 30, 34), launch(31, 4), gpu("Memcpy DtoH (Device -> Pinned)", 50, 55, 4, stream=9),
+              op("gloo:all_reduce", 40, 79, thread=2), launch(78, 5, thread=2), gpu(htod, 80, 85, 5, stream=9),
+              op("Optimizer.step#SGD.step", 86, 95, cat="user_annotation"), launch(87, 6),
+              gpu("void multi_tensor_apply_kernel", 90, 95, 6, cat="kernel")]
+    assert profile_split.step_split(events) == ({"step": 75, "compute": 50, "comm_exposed": 5, "comm_overlapped": 5,
+                                                 "data_wait": 0, "optimizer": 5, "other": 15}, 1)
+
+
 def test_profile_split_reads_a_run_folder(tmp_path):
     """The command line: a folder of trace-rank<R>.json gives one row (or JSON record) per rank, in ms
     per step (a gzipped trace too); a file that is not a trace, or a folder without any, is one error line."""

@@ -17,6 +17,9 @@ import sys
 from pathlib import Path
 
 GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+# A wait for a batch: torch's DataLoader names it enumerate(DataLoader)#<its iterator>.__next__, and the trainers name
+# DaliLoader's (--data-backend dali) the same way: enumerate(DaliLoader)#DaliLoader.__next__.
+LOADER_FETCHES = ("enumerate(DataLoader)#", "enumerate(DaliLoader)#")
 PARTS = ("step", "compute", "comm_exposed", "comm_overlapped", "data_wait", "optimizer", "other")
 
 
@@ -77,32 +80,36 @@ def step_split(events, with_intervals=False):
     instant counts once, in the first part of the trace's order that covers it (docs/profiling.md):
     CPU: data wait, optimizer, compute (ops of the training threads), exposed communication (gloo, c10d);
     GPUs: the GPU's steps, optimizer (GPU work launched inside optimizer.step/zero_grad), compute (other
-    kernels, copies), exposed communication (NCCL kernels), data wait (a wait for a batch while no GPU
-    work runs). Other: the rest. Also the communication under compute ("comm_overlapped", not a part).
+    kernels, copies), exposed communication (NCCL kernels, and the GPU work a collective launched: gloo's
+    copies of CUDA tensors to and from the host), data wait (a wait for a batch while no GPU work runs).
+    Other: the rest. Also the communication under compute ("comm_overlapped", not a part).
     Returns the parts' totals and the number of steps; with_intervals: also each part's intervals (and
     "steps": each step's window)."""
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
                if e.get("ph") == "M" and e["name"] == "thread_name"}
     kinds = {name: [] for name in ("steps", "data", "optimizer", "cpu", "cpu_comm", "gpu")}
-    launches = {}  # CUDA correlation id -> when the CPU launched that GPU work
+    collectives = {}  # thread -> its communication's intervals (as kinds["cpu_comm"] counts them)
+    launches = {}  # CUDA correlation id -> when, and on which thread, the CPU launched that GPU work
     for e in events:
         if e.get("ph") != "X":
             continue
         name, category, interval = e["name"], e.get("cat", ""), (e["ts"], e["ts"] + e.get("dur", 0))
+        thread = e["pid"], e["tid"]
         if category == "gpu_user_annotation":
             continue  # a GPU copy of a CPU annotation, spanning only the kernels launched directly inside it
         if category in GPU_WORK:
             kinds["gpu"].append((interval, "nccl" in name.lower(), e.get("args", {}).get("correlation")))
         elif "correlation" in e.get("args", {}):
-            launches[e["args"]["correlation"]] = e["ts"]  # cudaLaunchKernel, cudaMemcpyAsync, ...
+            launches[e["args"]["correlation"]] = e["ts"], thread  # cudaLaunchKernel, cudaMemcpyAsync, ...
         elif name.startswith("ProfilerStep#"):
             kinds["steps"].append(interval)
-        elif "DataLoader" in name and "__next__" in name:
+        elif name.startswith(LOADER_FETCHES) and name.endswith(".__next__"):
             kinds["data"].append(interval)
         elif name.startswith(("Optimizer.step#", "Optimizer.zero_grad#")):
             kinds["optimizer"].append(interval)
-        elif name.startswith(("gloo:", "c10d::")) or "gloo" in threads.get((e["pid"], e["tid"]), ""):
+        elif name.startswith(("gloo:", "c10d::")) or "gloo" in threads.get(thread, ""):
             kinds["cpu_comm"].append(interval)
+            collectives.setdefault(thread, []).append(interval)
         elif category == "cpu_op":
             kinds["cpu"].append(interval)
     cpu_steps, data, optimizer = sorted(kinds["steps"]), union(kinds["data"]), union(kinds["optimizer"])
@@ -111,14 +118,18 @@ def step_split(events, with_intervals=False):
         # the GPU's: from the first work launched in its CPU step to the next step's first; the last
         # ends with the last work launched in any.
         first, end, gpu = {}, float("-inf"), {"optimizer": [], "compute": [], "comm_exposed": []}
+        collectives = {thread: union(intervals) for thread, intervals in collectives.items()}
         for interval, nccl, correlation in kinds["gpu"]:
-            launched = launches.get(correlation, -1)
+            launched, thread = launches.get(correlation, (-1, None))
             step = containing(cpu_steps, launched)
             if step is not None:
                 first[step] = min(first.get(step, interval[0]), interval[0])
                 end = max(end, interval[1])
             in_optimizer = containing(optimizer, launched) is not None
-            gpu["optimizer" if in_optimizer else "comm_exposed" if nccl else "compute"].append(interval)
+            # gloo stages a CUDA tensor through pinned host memory: the copy out is launched inside the c10d::* op
+            # on the caller's thread, the copy back by gloo's thread; no kernel name says so, the launch does.
+            comm = nccl or containing(collectives.get(thread, []), launched) is not None
+            gpu["optimizer" if in_optimizer else "comm_exposed" if comm else "compute"].append(interval)
         starts = sorted(first.values())
         steps = list(zip(starts, starts[1:] + [end])) if starts else cpu_steps  # no launch links: the CPU's
         covers = list(gpu.items()) + [("data_wait", data)]
