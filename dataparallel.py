@@ -340,24 +340,26 @@ def seed_everything(seed):
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def pick_device(args, local_rank, local_world_size):
-    """GPU `local_rank` of this node where torch sees GPUs (torch.accelerator), else (or with --cpu) the CPU."""
+def pick_device(args, local_rank, local_world_size, can_share=True):
+    """GPU `local_rank` of this node where torch sees GPUs (torch.accelerator), else (or with --cpu) the CPU.
+    can_share: whether the method's processes can share a GPU over gloo (FSDP2, DeepSpeed, Horovod cannot)."""
+    # All processes of a node fail alike here: its local rank 0 says why (global rank 0 may be on another node).
+    node_error = LocalError if local_rank == 0 else UsageError
     accelerator = None if args.cpu else torch.accelerator.current_accelerator(check_available=True)
     if accelerator is None:
         if not args.cpu:
-            check_no_gpu_left_out()
+            check_no_gpu_left_out(node_error)
         return torch.device("cpu")
     gpus = torch.accelerator.device_count()
-    if local_world_size > gpus and args.dist_backend != "gloo":  # NCCL refuses two ranks on one GPU
-        # All processes of this node fail alike: its local rank 0 says why (rank 0 may be on another node).
-        raise (LocalError if local_rank == 0 else UsageError)(
-            f"{local_world_size} processes on this node, which shows {gpus} GPU(s): start at most one process "
-            "per GPU (--dist-backend gloo lets processes share a GPU, slowly: for tests)")
+    if local_world_size > gpus and (args.dist_backend != "gloo" or not can_share):  # NCCL: one rank per GPU
+        raise node_error(f"{local_world_size} processes on this node, which shows {gpus} GPU(s): start at most one "
+                         "process per GPU (" + ("--dist-backend gloo lets processes share a GPU, slowly: for tests)"
+                                                if can_share else f"{METHOD}'s cannot share one, even over gloo)"))
     torch.accelerator.set_device_index(local_rank % gpus)  # before any GPU work, so nothing lands on GPU 0 by accident
     return torch.device(accelerator.type, local_rank % gpus)
 
 
-def check_no_gpu_left_out():
+def check_no_gpu_left_out(error):
     """Torch sees no GPU: GPUs that nvidia-smi lists are an error, not a silent CPU run (a driver too old for CUDA)."""
     if os.environ.get("CUDA_VISIBLE_DEVICES", "all").strip() in ("", "-1") or not shutil.which("nvidia-smi"):
         return  # GPUs hidden on purpose (as the CPU test suite does), or no NVIDIA driver
@@ -369,9 +371,9 @@ def check_no_gpu_left_out():
     if drivers:
         why = (f"it needs a driver for CUDA {torch.version.cuda}, or CUDA_VISIBLE_DEVICES names none of them"
                if torch.version.cuda else "it is a CPU-only build")
-        raise UsageError(f"nvidia-smi lists {len(drivers)} GPU(s) (driver {drivers[0]}) but torch {torch.__version__} "
-                         f"sees none ({why}): update the driver or install a torch wheel for its CUDA, or pass --cpu "
-                         "to train on the CPU")
+        raise error(f"nvidia-smi lists {len(drivers)} GPU(s) (driver {drivers[0]}) but torch {torch.__version__} "
+                    f"sees none ({why}): update the driver or install a torch wheel for its CUDA, or pass --cpu to "
+                    "train on the CPU")
 
 
 def check_batch(args, world_size, replicas=1, sync_bn=False):
@@ -741,27 +743,34 @@ class DaliLoader:
         if self.pipe is None or self.midway:
             self.pipe = self.pipeline(self.source)
             self.pipe.build()
-        self.midway = True
-        while True:
-            try:
-                images, labels = self.pipe.run()
-                self.pending.pop(0)
-            except StopIteration:
-                self.pipe.reset()
-                self.midway = False
-                return
-            except RuntimeError as e:  # DALI's report names the operator, not the file: PIL's decode does
-                for _, index in itertools.chain(*self.pending):
-                    load_image(self.samples[index][0])
-                where = next((line for line in str(e).splitlines() if "operator" in line), "").rstrip(",")
-                raise LocalError(f"DALI cannot decode an image of this rank's next batches ({where}), though PIL "
-                                 "decodes each: an unsupported file?") from None
-            # Zero-copy, as DALI's DALIGenericIterator with its default dynamic executor: the outputs live while torch
-            # holds them, and from_dlpack makes DALI's GPU work ready on torch's stream. The labels are copied: DALI
-            # may reuse its host buffer before to_device's non_blocking copy has read it. Device: for from_dlpack only.
-            with self.device:
-                batch = torch.from_dlpack(images.as_tensor()), torch.from_dlpack(labels.as_tensor()).clone()
+        self.midway = len(self.batches) > 0
+        for left in reversed(range(len(self.batches))):
+            batch = self.run()
+            if not left:  # the pass ends now (None): train() takes its steps' batches and never asks past the last
+                self.run()
             yield batch
+
+    def run(self):
+        """The pipeline's next batch on the device, or None where the pass is over (then reset for the next)."""
+        try:
+            with torch.profiler.record_function("enumerate(DaliLoader)#DaliLoader.__next__"):  # the data wait's span
+                images, labels = self.pipe.run()
+            self.pending.pop(0)
+        except StopIteration:
+            self.pipe.reset()
+            self.midway = False
+            return None
+        except RuntimeError as e:  # DALI's report names the operator, not the file: PIL's decode does
+            for _, index in itertools.chain(*self.pending):
+                load_image(self.samples[index][0])
+            where = next((line for line in str(e).splitlines() if "operator" in line), "").rstrip(",")
+            raise LocalError(f"DALI cannot decode an image of this rank's next batches ({where}), though PIL "
+                             "decodes each: an unsupported file?") from None
+        # Zero-copy, as DALI's DALIGenericIterator with its default dynamic executor: the outputs live while torch
+        # holds them, and from_dlpack makes DALI's GPU work ready on torch's stream. The labels are copied: DALI
+        # may reuse its host buffer before to_device's non_blocking copy has read it. Device: for from_dlpack only.
+        with self.device:
+            return torch.from_dlpack(images.as_tensor()), torch.from_dlpack(labels.as_tensor()).clone()
 
 
 @functools.cache
@@ -811,20 +820,30 @@ class Progress:
         self.meter = AverageMeter(device)
         self.data_wait = self.interval_wait = 0.0
         self.start = self.interval_start = time.perf_counter()
+        # A GPU may still run queued steps while the host waits for a batch: there the data wait is the GPU's idle
+        # time in each wait, between CUDA events recorded as it starts and ends, read at the next sync (step_done).
+        self.gpu_waits = [] if device.type == "cuda" else None
 
     def timed(self, loader):
-        start = time.perf_counter()
+        start, began = time.perf_counter(), self.gpu_event()
         for batch in itertools.chain(loader, [None]):  # iter(loader) waits for workers started by build_loaders
             waited = time.perf_counter() - start
             if self.args.workers and not Progress.started:  # the workers' (DALI's pipeline's) start-up, said once
                 Progress.started, self.start, self.interval_start = True, start + waited, start + waited
                 log(f"=> loader start-up: {waited:.1f} s to the first batch (timed as neither training nor data wait)")
-                waited = 0.0
-            self.data_wait, self.interval_wait = self.data_wait + waited, self.interval_wait + waited
+                waited, began = 0.0, None
+            if began:
+                self.gpu_waits.append((began, self.gpu_event()))
+            else:
+                self.data_wait, self.interval_wait = self.data_wait + waited, self.interval_wait + waited
             if batch is None:
                 return
             yield batch
-            start = time.perf_counter()
+            start, began = time.perf_counter(), self.gpu_event()
+
+    def gpu_event(self):  # on GPUs: an event the current stream reaches once its queued work is done (else None)
+        if self.gpu_waits is not None:
+            return torch.cuda.current_stream().record_event(torch.cuda.Event(enable_timing=True))
 
     def update(self, loss, output, target):
         self.meter.update(loss.detach() * target.size(0), *correct_counts(output.detach(), target), target.size(0))
@@ -837,6 +856,10 @@ class Progress:
         epoch, steps, args = self.epoch, self.steps, self.args
         if (step + 1) % args.print_freq == 0 or step + 1 == steps:
             metrics = self.meter.reduced()  # the only host sync: once per print interval
+            if self.gpu_waits:  # their events are done now
+                idle = sum(began.elapsed_time(ended) for began, ended in self.gpu_waits) / 1000  # ms to s
+                self.data_wait, self.interval_wait = self.data_wait + idle, self.interval_wait + idle
+                self.gpu_waits.clear()
             now, done = time.perf_counter(), min(step % args.print_freq, step - self.first_step) + 1
             step_time, data_time = (now - self.interval_start) / done, self.interval_wait / done
             log(f"Epoch: [{epoch}][{step + 1:{len(str(steps))}d}/{steps}]  Time {step_time:6.3f}  Data {data_time:6.3f}"
@@ -1241,9 +1264,9 @@ def run(main_worker, args):
         # Then leave: the group's last reference, dropped here, destroys it without the GIL. Dropped by DDP's reducer
         # at main_worker's return, it held the GIL while joining gloo's threads, one needing it: a hang (torch 2.11).
         leave_process_group()
+        return
     except UsageError as e:
         report(e)
-        sys.exit(2)
     except Stopped:
         leave_process_group()  # no rank leaves before rank 0 has written the checkpoint
         sys.exit(143)  # 128 + SIGTERM, as if the signal had ended the process: not a success, so it is requeued
@@ -1264,6 +1287,12 @@ def run(main_worker, args):
                   f"{args.dist_timeout:g} s for them in a collective (a hang, a stopped process, or far slower "
                   "work: py-spy dump shows where it is)", file=sys.stderr, flush=True)
         sys.exit(1)
+    # Bad input: its traceback (main_worker's frames) is gone here. No barrier, the other ranks may never come: leave
+    # the group, else NCCL's exit prints a warning that destroy_process_group() was not called.
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(2)
 
 
 def stalled_ranks(grace=5.0):

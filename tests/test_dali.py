@@ -25,11 +25,11 @@ def test_dali_batches_are_the_default_loaders_up_to_resampling(tiny_data):
     args = distributed.argument_parser().parse_args(["--data", str(tiny_data), "--min-crop-scale", "0.35",
                                                      "--val-batch-size", "16"] + FAST)
     train_set, val_set, _ = distributed.build_datasets(args)
-    batches = {}
+    batches, loaders = {}, {}
     for backend in ("torch", "dali"):
         args.data_backend = backend
-        sampler, train_loader, val_loader = distributed.build_loaders(args, train_set, val_set, 2, 1,
-                                                                      torch.device("cpu"), 16)
+        loaders[backend] = sampler, train_loader, val_loader = distributed.build_loaders(
+            args, train_set, val_set, 2, 1, torch.device("cpu"), 16)
         sampler.set_epoch(1)
         batches[backend] = [next(iter(train_loader)), next(iter(val_loader))]
     for (images, labels), (dali_images, dali_labels) in zip(batches["torch"], batches["dali"]):
@@ -47,6 +47,18 @@ def test_dali_batches_are_the_default_loaders_up_to_resampling(tiny_data):
     assert pipes[0] is pipes[1] and len(passes[0]) == len(passes[1]) == 1
     for (images, labels), in passes:
         assert torch.equal(images, passes[0][0][0]) and torch.equal(labels, batches["dali"][1][1])
+    # train() takes exactly its steps' batches, by next(), never asking past the last: that ends the pass, and the
+    # next epoch reuses the pipeline (a new one costs seconds, nvJPEG's start-up on GPUs), with that epoch's batches.
+    labels, pipes = {}, []
+    for epoch in (2, 3):
+        for backend, (sampler, train_loader, _) in loaders.items():
+            sampler.set_epoch(epoch)
+            taken = iter(train_loader)
+            labels[backend, epoch] = torch.cat([next(taken)[1] for _ in range(len(train_loader))])
+        pipes.append(loaders["dali"][1].pipe)
+    assert pipes[0] is pipes[1] and not loaders["dali"][1].midway
+    assert len(labels["dali", 3]) == 48 and not torch.equal(labels["dali", 2], labels["dali", 3])
+    assert all(torch.equal(labels["torch", epoch], labels["dali", epoch]) for epoch in (2, 3))
 
 
 def test_dali_shards_the_epoch_and_evaluates_every_image_once(tiny_data, tmp_path):

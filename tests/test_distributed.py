@@ -65,6 +65,10 @@ def test_dummy_data_runs_and_gpus_torch_cannot_use_are_an_error_unless_cpu(tmp_p
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
     assert refused.returncode != 0 and len(errors) == 1, refused.stderr
     assert "nvidia-smi lists 1 GPU(s) (driver 535.54.03) but torch" in errors[0] and "--cpu" in errors[0]
+    # On a second node (local rank 0 there, global rank 1): that node says why, as global rank 0 is on another.
+    elsewhere = run(args, "forked", env={**env, "RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2"})
+    assert elsewhere.returncode == 2 and [line for line in elsewhere.stderr.splitlines() if line.startswith("error:")] \
+        == errors, elsewhere.stderr
     r = run(args + ["--cpu"], launcher="torchrun", nproc=2, env=env).check()
     assert r.summaries[0]["val_count"] == 6 and r.summaries[0]["images_per_sec"] > 0
 

@@ -103,13 +103,14 @@ def test_exact_evaluation_at_any_world_size(two_epochs, tiny_data):
     assert results[1] == results[3]
 
 
-@pytest.mark.parametrize("case", ["before hvd.init()", "rank 0 only"])
+@pytest.mark.parametrize("case", ["before hvd.init()", "rank 0 only", "--dist-backend"])
 def test_bad_input_one_error_line(horovod, tiny_data, tmp_path, case):
     not_a_dir = tmp_path / "not-a-dir"
     not_a_dir.write_text("a file, not a directory")
     args, message = {
         "before hvd.init()": (["--data", tmp_path / "nope"], "is not a directory"),
         "rank 0 only": (["--data", tiny_data, "--output-dir", not_a_dir / "sub"], "cannot write checkpoints"),
+        "--dist-backend": (["--data", tiny_data, "--dist-backend", "gloo"], "--dist-backend does not apply to Horovod"),
     }[case]
     r = hvd_run(["-b", 32, "--output-dir", tmp_path / "out"] + args + FAST, nproc=2)
     assert r.returncode != 0
