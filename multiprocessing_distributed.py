@@ -70,6 +70,7 @@ def setup_distributed(args):
     device = pick_device(args, int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if args.sync_bn and device.type != "cuda":
         raise UsageError("--sync-bn needs CUDA: SyncBatchNorm works only with CUDA modules (drop --sync-bn on CPU)")
+    check_slurm_step(world_size)
     check_batch(args, world_size, sync_bn=args.sync_bn and world_size > 1)  # one process: plain BatchNorm
     if world_size > 1:  # the launcher's rendezvous (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)
         join_process_group(device, args, "pass another --port")
@@ -402,6 +403,19 @@ def check_no_gpu_left_out(error):
         raise error(f"nvidia-smi lists {len(drivers)} GPU(s) (driver {drivers[0]}) but torch {torch.__version__} "
                     f"sees none ({why}): update the driver or install a torch wheel for its CUDA, or pass --cpu to "
                     "train on the CPU")
+
+
+def check_slurm_step(world_size):
+    """In a Slurm step (srun) of N tasks, a process group of fewer processes means tasks training apart, N copies of
+    one run (no launcher numbered them, or not one per node): refused, by task 0 (the others may all say rank 0)."""
+    in_step, env = "SLURM_STEP_ID" in os.environ, os.environ
+    tasks = int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", 1))) if in_step else 1
+    if world_size < tasks:
+        if os.environ.get("SLURM_PROCID", "0") != "0":
+            sys.exit(2)
+        raise UsageError(f"this Slurm step has {tasks} tasks, but they would train apart, world size {world_size} "
+                         f"each: start one task per node running torchrun (sbatch scripts/slurm_train.sbatch does), "
+                         f"or srun distributed_slurm_main.py, which numbers the tasks itself")
 
 
 def check_batch(args, world_size, replicas=1, sync_bn=False):

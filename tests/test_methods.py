@@ -298,3 +298,22 @@ def test_bad_input(script, case, tiny_data, checkpoint, tmp_path, busy_port):
     # torchrun adds its own failure report after the worker's line; the scripts print no traceback.
     assert "Traceback" not in r.stdout + (r.stderr.split("error:")[0] if launcher == "torchrun" else r.stderr)
     assert not list(out.glob("*.pth")) and not list(out.glob(".*.tmp"))
+
+
+SLURM_STEP = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2"}
+
+
+@pytest.mark.parametrize("script", ["distributed.py", DP, MP, AMP, "horovod_distributed.py", "fsdp_distributed.py",
+                                    "deepspeed_distributed.py"])
+def test_a_task_of_a_slurm_step_does_not_train_alone(script, tiny_data, tmp_path):
+    """`srun -n 2 python X.py` (Slurm's variables of a 2-task step, no launcher): each task would train alone, world
+    size 1. Task 0 says so in one line and what to run; the others exit as quietly (they, too, think they are rank
+    0). distributed_slurm_main.py numbers the tasks from these variables (test_slurm.py); torchrun per node too."""
+    args = ["--data", tiny_data, "-b", 32, "--output-dir", tmp_path] + FAST + (["--nprocs", 1] if script == MP else [])
+    errors = {}
+    for task in ("0", "1") if script == "distributed.py" else ("0",):  # the shared helper's: one script enough
+        r = run(args, "forked", script=script, env={**SLURM_STEP, "SLURM_PROCID": task})
+        errors[task] = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        assert r.returncode == 2 and not os.listdir(tmp_path) and "Traceback" not in r.stderr, r.stdout + r.stderr
+    assert len(errors["0"]) == 1 and not errors.get("1"), errors
+    assert "this Slurm step has 2 tasks, but they would train apart, world size 1 each" in errors["0"][0]
