@@ -1228,8 +1228,14 @@ def save_checkpoint(state, is_best, args):
         raise
 
 
+# The flags that change what a run trains (a method's own too, where it has them): a resume must keep them.
+RECIPE = ("batch_size", "lr", "warmup_epochs", "lr_step_size", "lr_gamma", "momentum", "weight_decay", "norm",
+          "image_size", "min_crop_scale", "amp_dtype", "grad_compression", "fp16_allreduce", "param_dtype",
+          "reduce_dtype", "precision")
+
+
 def choose_checkpoint(args, newest, found, missing, load):
-    """--resume's checkpoint as load(path) returns it (a dict) plus its "path", checked to fit -a and -b; None to
+    """--resume's checkpoint as load(path) returns it (a dict) plus its "path", checked to fit -a and RECIPE; None to
     start fresh. 'auto' takes the first of `newest` that is intact and loads, saying which it skipped; a --resume
     that found(path) denies is the error `missing`. load raises UsageError to stop, else an older one is tried."""
     if not args.resume:
@@ -1256,10 +1262,12 @@ def choose_checkpoint(args, newest, found, missing, load):
         if checkpoint.get("arch") != args.arch:
             raise UsageError(f"checkpoint '{path}' is for arch '{checkpoint.get('arch')}', not '{args.arch}': "
                              f"pass -a {checkpoint.get('arch')} or another checkpoint")
-        # The batches a checkpoint taken in an epoch skips are batches of its -b.
-        if checkpoint.get("step") and checkpoint["args"]["batch_size"] != args.batch_size and not args.evaluate:
-            raise UsageError(f"checkpoint '{path}' stopped in an epoch, after step {checkpoint['step']} of -b "
-                             f"{checkpoint['args']['batch_size']}: resume it with that -b")
+        saved = checkpoint["args"]
+        changed = [f"--{key.replace('_', '-')} {saved[key]} (now {getattr(args, key)})" for key in RECIPE
+                   if key in saved and saved[key] != getattr(args, key, saved[key])]
+        if changed and not args.evaluate:  # a run that continued would train neither recipe (LambdaLR keeps its lr)
+            raise UsageError(f"checkpoint '{path}' was trained with {', '.join(changed)}: pass another --output-dir "
+                             "to start a new run, or those values to continue this one (--epochs may change)")
         return checkpoint
     raise error
 
@@ -1327,6 +1335,9 @@ def report_start(model, world_size, device, micro_batch, args, *collectives):
     buffers, metrics left out). collectives: (kind, dtype: torch's name, fp16, bf16, None/"none": own, count a step)."""
     log(f"=> {METHOD}: world size {world_size}, device {device.type}, arch {args.arch}, global batch {args.batch_size} "
         f"({micro_batch} per process x {args.grad_accum_steps} micro-batches), launcher {launcher_name(args)}")
+    if tuple(map(int, torch.__version__.split(".")[:2])) < OLDEST_TORCH:
+        log(f"=> warning: torch {torch.__version__} is older than {'.'.join(map(str, OLDEST_TORCH))}, the oldest the "
+            "cookbook's tests ran on (docs/testing.md): it may fail, or train otherwise, unnoticed by them")
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3 partitions keep the full size in ds_numel
     sent, what = 0, []
@@ -1340,6 +1351,7 @@ def report_start(model, world_size, device, micro_batch, args, *collectives):
         + (f" ({' + '.join(what)} of {numel:,} parameters, ring algorithms)" if what else " (one process)"))
 
 
+OLDEST_TORCH = (2, 11)  # the GPU machine's torch: older ones never ran the tests (report_start warns)
 METRICS = {}  # rank 0's metrics log (open_metrics): its file, where training is
 DATA_STALL_SHARE = 0.2  # of an epoch's training time waiting for batches: the input limits the run (docs/input.md)
 

@@ -500,7 +500,10 @@ def bad_inputs(tiny_data, checkpoint, tmp):
         "negative --save-every": (data + ["--save-every", -1], "python",
                                    "argument --save-every: -1 is out of range: pass a number >= 0"),
         "mid-epoch checkpoint, other -b": (["--data", tiny_data, "-b", 16, "--resume", mid_epoch], "python",
-                                           "after step 1 of -b 32: resume it with that -b"),
+                                           "was trained with --batch-size 32 (now 16): pass another --output-dir"),
+        "resumed with another recipe": (data + ["--lr", 0.2, "--wd", 0, "--epochs", 3, "--resume", checkpoint], "python",
+                                        f"'{checkpoint}' was trained with --lr 0.1 (now 0.2), --weight-decay 0.0001 "
+                                        "(now 0.0): pass another --output-dir"),
         "--profile not a range": (data + ["--profile", "3"], "python", "'3' is not START:STOP"),
         "--profile with no warm-up": (data + ["--profile", "1:2"], "python",
                                       "'1:2' is not START:STOP with 2 <= START <= STOP: the step before START warms"),

@@ -48,6 +48,17 @@ def test_launchers(tiny_data, tmp_path, launcher, nproc):
     assert r.stdout.count("Epoch: [0]") == 1, "progress must be printed by global rank 0 only"
 
 
+@pytest.mark.parametrize("version,warned", [("2.10.2+cu128", True), ("2.9.1", True), ("2.11.0+cu130", False),
+                                            ("2.14.1", False), ("3.0.0", False)])
+def test_a_torch_older_than_the_tested_ones_is_one_line(version, warned, monkeypatch, capsys):
+    monkeypatch.setattr(torch, "__version__", version)
+    args = distributed.argument_parser().parse_args(["--dummy"])
+    distributed.report_start(torch.nn.Linear(2, 2), 1, torch.device("cpu"), 256, args)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
+    assert lines == ([f"=> warning: torch {version} is older than 2.11, the oldest the cookbook's tests ran on "
+                      "(docs/testing.md): it may fail, or train otherwise, unnoticed by them"] if warned else [])
+
+
 @pytest.mark.parametrize("flag", ["--local-rank=3", "--local_rank=3"])
 def test_legacy_local_rank_spellings(flag):
     assert distributed.argument_parser().parse_args([flag]).local_rank == 3
@@ -508,7 +519,7 @@ BAD = ["missing data dir", "no data at all", "empty data dir", "val class missin
        "one image per process", "sync-bn on cpu", "other arch checkpoint",
        "truncated checkpoint", "code in checkpoint", "no such checkpoint", "unwritable output dir",
        "metrics.jsonl a directory", "train set below one batch", "negative --save-every",
-       "mid-epoch checkpoint, other -b", "--profile not a range", "--profile with no warm-up",
+       "mid-epoch checkpoint, other -b", "resumed with another recipe", "--profile not a range", "--profile with no warm-up",
        "--profile past the run"]
 
 
