@@ -8,11 +8,15 @@ replicas side by side, the ceiling for any data-parallel method on this machine.
     torchrun --standalone --nproc-per-node=2 benchmarks/bare_ddp.py --no-communication --dummy ...
 
 It takes the trainers' workload flags (the others are ignored) and prints, like them, one SUMMARY
-line per epoch with the epoch's training images/s, so statistics.sh can divide each method's
-throughput by this loop's on the same model, synthetic data, world size and global batch.
+line per epoch with the epoch's training images/s and mean loss (rank 0's), so statistics.sh can divide
+each method's throughput by this loop's on the same model, synthetic data, world size and global batch,
+and the GPU check can see that it trains. A loss that is not finite ends it with an error, as it ends
+the trainers. Its loader is theirs (workers spawned once per run, persistent, pinned memory), and so is
+its optimizer, zeroed momentum included.
 """
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -54,8 +58,10 @@ def main():
     from distributed import SyntheticImages, to_device
     data = SyntheticImages(args.dummy_samples, args.image_size, 1000)
     sampler = torch.utils.data.distributed.DistributedSampler(data, drop_last=True)
+    # The trainers' loader workers: spawned, once per run (persistent), so no epoch but the first waits for them.
+    workers = {"multiprocessing_context": "spawn", "persistent_workers": True} if args.workers else {}
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size // world, sampler=sampler, drop_last=True,
-                                         num_workers=args.workers, pin_memory=device.type != "cpu")
+                                         num_workers=args.workers, pin_memory=device.type != "cpu", **workers)
     # timm:NAME: timm's model of that name (where timm is installed), as a reference row.
     model = (__import__("timm").create_model(args.arch[5:], num_classes=1000) if args.arch.startswith("timm:")
              else models.get_model(args.arch, num_classes=1000)).to(device)
@@ -65,12 +71,11 @@ def main():
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     if world > 1 and not args.no_communication:  # as the trainers: no DDP wrapper for one process
         model = DDP(model)
-    optimizer = torch.optim.SGD(model.parameters(), 0.1 * args.batch_size / 256, momentum=0.9, weight_decay=1e-4,
-                                fused=True)  # the trainers' optimizer
+    optimizer = make_optimizer(model, args.batch_size)
     criterion = torch.nn.CrossEntropyLoss()
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
-        images_seen = 0
+        images_seen, loss_sum = 0, torch.zeros((), dtype=torch.float64, device=device)
         start = time.perf_counter()
         for images, target in loader:
             images, target = to_device(images, target, device)
@@ -80,16 +85,30 @@ def main():
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
+            loss_sum += loss.detach() * target.size(0)  # on the device: no host sync per step, as the trainers
             images_seen += target.size(0) * world
         if accelerator is not None:
             torch.accelerator.synchronize()
+        seconds, loss = time.perf_counter() - start, loss_sum.item() / max(1, images_seen // world)
         if rank == 0:
             method = "ceiling" if args.no_communication else "bare"
             print("SUMMARY " + json.dumps({"method": method, "launcher": "torchrun", "world_size": world,
-                                           "device": device.type, "epoch": epoch,
-                                           "images_per_sec": round(images_seen / (time.perf_counter() - start), 1)}),
-                  flush=True)
+                                           "device": device.type, "epoch": epoch, "train_loss": loss,
+                                           "images_per_sec": round(images_seen / seconds, 1)}), flush=True)
+        if not math.isfinite(loss):  # NaN weights train nothing: GradScaler skips every later step
+            sys.exit(f"bare_ddp.py: error: the training loss is {loss} in epoch {epoch} (rank {rank}): this loop does "
+                     "not train, so it is no yardstick")
     dist.destroy_process_group()
+
+
+def make_optimizer(model, batch_size):
+    """The trainers' optimizer, with apex_distributed.py's zeroed momentum: when GradScaler skips step 1 (an fp16
+    overflow), the fused step leaves the buffers it made with torch.empty_like unwritten (torch/optim/sgd.py,
+    _fused_sgd's is_first_step), and step 2 would add that garbage to the weights. Zeros give the same first step."""
+    optimizer = torch.optim.SGD(model.parameters(), 0.1 * batch_size / 256, momentum=0.9, weight_decay=1e-4,
+                                fused=True)
+    optimizer.state.update({param: {"momentum_buffer": torch.zeros_like(param)} for param in model.parameters()})
+    return optimizer
 
 
 if __name__ == "__main__":

@@ -37,19 +37,22 @@ short keeps what it measured. Logs: --output-dir/logs/.
 The peers are not part of this repository: put them under benchmarks/peers/ (ignored by git).
   benchmarks/peers/timm_train.py      github.com/huggingface/pytorch-image-models, train.py, at commit
                                       aa4b5850c1543fa488abf260f18390eda46cf85d (2026-08-08; timm 1.0.29.dev0);
-                                      it runs with pip's timm 1.0.31. Without it (--timm-train ''), or if it fails
-                                      (one line says why), timm is a loop on its public API instead: create_model,
+                                      it runs with pip's timm 1.0.31. With --timm-train '', or if it fails (one
+                                      line says why), timm is a loop on its public API instead: create_model,
                                       create_dataset, create_loader (PIL, its prefetcher, normalisation on the
                                       device), create_optimizer_v2 ("momentum"), NativeScaler for fp16
   benchmarks/peers/imagenet_main.py   github.com/pytorch/examples, imagenet/main.py, at commit
-                                      77f55b912142e11fcfdf5b530231fb9c52f181e8 (2025-08-25); without it the plain
-                                      pair is skipped, and says so
-For example: git clone https://github.com/huggingface/pytorch-image-models && cp pytorch-image-models/train.py
-benchmarks/peers/timm_train.py; the same for examples/imagenet/main.py -> benchmarks/peers/imagenet_main.py.
+                                      77f55b912142e11fcfdf5b530231fb9c52f181e8 (2025-08-25)
+A peer that is missing (the default path, or the one named) is a warning at the start and at the end, a bold
+line in the report and exit status 1: the fast pairs then time the API loop, the plain pair is skipped.
+For example: git clone https://github.com/huggingface/pytorch-image-models && git -C pytorch-image-models show
+aa4b5850:train.py > benchmarks/peers/timm_train.py; the same for examples' 77f55b91:imagenet/main.py ->
+benchmarks/peers/imagenet_main.py. Being ignored by git, the folder does not travel with the tracked files:
+send it to the GPU machine along with them (docs/measurements.md).
 
 Checked on the 2-core CPU machine (2026-11-26, torch 2.14.1, timm 1.0.31), every path end to end (ours, timm's
-train.py, the timm API loop, main.py) with tiny settings: see docs/measurements.md. No unit test: one run of the
-four scripts takes minutes on a CPU.
+train.py, the timm API loop, main.py) with tiny settings: see docs/measurements.md. No end-to-end test: one run of
+the four scripts takes minutes on a CPU (tests/test_tools.py checks the missing-peer warning alone).
 """
 import argparse
 import datetime
@@ -338,15 +341,10 @@ def main(argv=None):
                        f"{args.rounds}; images/s of epoch {args.epochs} (steady state, from step {args.print_freq})"],
              "notes": [], "runs": [], "pairs": [], "skipped": {}}
     print(state["setup"][0], flush=True)
+    missing = missing_peers(args, state)
     make_data(args, state, deadline, logs)
 
     timm_train = args.timm_train if args.timm_train and os.path.isfile(args.timm_train) else ""
-    if args.timm_train and not timm_train:
-        state["notes"].append(f"timm's train.py not found at {args.timm_train}: the timm API loop instead")
-    if "plain" in args.pairs and not os.path.isfile(args.main_py):
-        state["skipped"]["plain"] = (f"skipped: main.py not found at {args.main_py} (pytorch/examples, "
-                                     "imagenet/main.py: see this script's docstring)")
-        state["notes"].append(f"plain pair {state['skipped']['plain']}")
     for note in state["notes"]:
         print(note, flush=True)
     walls = {}  # the last wall time of each script in each pair: whether another run fits in the budget
@@ -393,6 +391,30 @@ def main(argv=None):
     summarise(state, args)
     render(state, args.output_dir)
     print("\n" + (args.output_dir / "vs_timm.md").read_text(), flush=True)
+    if missing:
+        sys.exit("\n".join(missing))
+
+
+def missing_peers(args, state):
+    """The peers asked for (by default or by name) that are absent: each a bold note in the report and a warning
+    here, and the exit status is 1, so no one takes the API loop alone, or no plain pair, for the comparison.
+    benchmarks/peers/ is ignored by git: a machine sent only the tracked files has no peers."""
+    missing = []
+    if {"fast", "compiled"} & set(args.pairs) and args.timm_train and not os.path.isfile(args.timm_train):
+        missing.append(f"timm's train.py not found at {args.timm_train}: the fast pairs time the timm API loop "
+                       "instead of timm's own train.py")
+    if "plain" in args.pairs and not os.path.isfile(args.main_py):
+        state["skipped"]["plain"] = f"skipped: pytorch/examples' main.py not found at {args.main_py}"
+        missing.append(f"pytorch/examples' main.py not found at {args.main_py}: the plain pair is NOT measured")
+    state["notes"] += [f"**MISSING PEER**: {line}" for line in missing]
+    missing = [f"vs_timm.py: WARNING: missing peer: {line}" for line in missing]
+    if missing:
+        missing.append("vs_timm.py: benchmarks/peers/ is ignored by git, so a machine sent only the tracked files "
+                       "lacks it: send it along (docs/measurements.md), or fetch the files as this script's --help "
+                       "says; --timm-train '' asks for the timm API loop, --pairs fast leaves main.py out. Exit "
+                       "status 1.")
+        print("\n".join(missing), file=sys.stderr, flush=True)
+    return missing
 
 
 if __name__ == "__main__":
