@@ -15,8 +15,18 @@ the shared helper block's banner (`# ---- helpers shared by every script ...`).
 check_snippets() checks README's code snippets (tests/test_tools.py runs it): a fenced ```python
 block right after a line `<!-- snippet: X.py -->` must be lines of X.py, verbatim and contiguous up
 to a common indentation; a line `...` in it separates runs of lines that are each checked alone.
+
+Both also check every flag that README.md and docs/*.md give a trainer (check_flags), so that a flag renamed or
+removed cannot stay in the docs: it must be an option string of that trainer's argument parser, read from its
+source (ast: the strings starting with "-" of its add_argument calls). A flag is the trainer's when it follows
+the trainer's name in a command (a fenced shell block's line, a `code span`: `torchrun ... apex_distributed.py
+--compile`), up to the command's end; when a code span starts with it under a heading naming one trainer in
+backticks (README's method sections); when README's table of methods names it in the trainer's row; and in the
+first column of a table headed "flag", whose trainer is the one the page's title names (else distributed.py).
 """
 import argparse
+import ast
+import functools
 import re
 import subprocess
 import sys
@@ -115,6 +125,98 @@ def check_snippets(text, readme="README.md"):
     return problems
 
 
+@functools.cache
+def trainer_options(script):
+    """Every option string (`-j`, `--workers`) SCRIPT's argument parser accepts: the string arguments that start
+    with "-" of its add_argument calls (training_arguments calls it `add`), plus argparse's own --help."""
+    options = {"-h", "--help"}
+    for node in ast.walk(ast.parse((REPO / script).read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in (
+                "add_argument", "add"):
+            options.update(arg.value for arg in node.args
+                           if isinstance(arg, ast.Constant) and str(arg.value).startswith("-"))
+    return options
+
+
+FLAG = re.compile(r"-{1,2}[A-Za-z][\w-]*")
+COMMAND_END = {"|", "||", "&&", ";", "&", ">", "2>&1"}  # a token after which the trainer's flags stop
+SHELL_FENCES = {"", "sh", "bash", "shell", "console"}
+
+
+def shell_and_prose(text):
+    """The commands of the fenced shell blocks, (line number, command): a line ending in a backslash is joined
+    with the next, a comment cut off; Python blocks are no commands. And the text outside fenced blocks, their
+    lines blanked so that offsets still give line numbers."""
+    found, fence, prose, joined = [], None, [], False
+    for number, line in enumerate(text.splitlines(), 1):
+        prose.append("")
+        if line.lstrip().startswith("```"):
+            fence, joined = line.strip().strip("`").strip() if fence is None else None, False
+        elif fence is None:
+            prose[-1] = line
+        elif fence in SHELL_FENCES:
+            line = re.sub(r"(^|\s)#.*", "", line)
+            if joined:
+                found[-1] = (found[-1][0], found[-1][1] + " " + line)
+            else:
+                found.append((number, line))
+            joined = line.endswith("\\")
+    return found, "\n".join(prose)
+
+
+def flag_uses(text, title_script):
+    """(line number, trainer, flag) for each flag the text gives a trainer: in a command, after the trainer's name;
+    in a `code span` that starts with a flag, under a heading naming one trainer in backticks (README's sections);
+    in the method column of README's table of methods, its row's; in the first column of a table headed "flag",
+    title_script's."""
+    trainers = {path.name for path in REPO.glob("*.py")}
+    fenced, prose = shell_and_prose(text)
+    spans = [(prose.count("\n", 0, span.start()) + 1, span[1].replace("\\|", "|"))
+             for span in re.finditer(r"`([^`]+)`", prose)]
+    uses = []
+    for number, command in fenced + spans:
+        script = None
+        for token in command.split():
+            token = token.strip("[](),")
+            if token in trainers:
+                script = token
+            elif token in COMMAND_END or token.endswith((".py", ".sh")):
+                script = None
+            elif script and FLAG.fullmatch(token.split("=")[0]):
+                uses.append((number, script, token.split("=")[0]))
+    lines, section, script = prose.splitlines(), {}, None
+    for number, line in enumerate(lines, 1):
+        if re.match(r"#+ ", line):
+            named = {name for name in re.findall(r"`([\w.]+\.py)`", line) if name in trainers}
+            script = named.pop() if len(named) == 1 else None
+        section[number] = script
+    uses += [(number, section[number], token.split("=")[0]) for number, span in spans
+             if section[number] and FLAG.fullmatch(span.split()[0].split("=")[0])
+             for token in span.split() if FLAG.fullmatch(token.split("=")[0])]
+    rows = table_rows(text) if any(line.startswith("|") and HEADER in line for line in lines) else []
+    uses += [(i + 1, script, token) for i, script, row, _ in rows for span in re.findall(r"`([^`]+)`", row[1])
+             for token in re.split(r"[\s/]", span) if FLAG.fullmatch(token)]
+    header = None
+    for number, line in enumerate(lines, 1):
+        if not line.startswith("|"):
+            header = None
+        elif header is None:
+            header = cells(line)[0] == "flag"
+        elif header:
+            uses += [(number, title_script, token) for span in re.findall(r"`([^`]+)`", cells(line)[0])
+                     for token in span.replace("\\|", "|").split() if FLAG.fullmatch(token)]
+    return uses
+
+
+def check_flags(text, name):
+    """Problems, one line each: a flag that NAME's text gives a trainer whose argument parser has no such option.
+    A table of flags is the trainer's of the page's title (its first line), else distributed.py's."""
+    title = re.findall(r"[\w.]+\.py", next(iter(text.splitlines()), ""))
+    title_script = next((script for script in title if (REPO / script).is_file()), REFERENCE)
+    return [f"{name}:{number}: {flag} is not a flag of {script}"
+            for number, script, flag in sorted(flag_uses(text, title_script)) if flag not in trainer_options(script)]
+
+
 def dedented(lines):
     return textwrap.dedent("\n".join(lines)).splitlines()
 
@@ -151,7 +253,9 @@ def main(argv=None):
         mismatches.append(f"{readme.name}:{line}: the shared block: README says {stated[1]} lines, it has {block:,}")
         lines = (text[:stated.start(1)] + f"{block:,}" + text[stated.end(1):]).splitlines(keepends=True)
     missing = sorted({p.name for p in REPO.glob("*.py")} - {script for _, script, _, _ in rows})
-    problems = [f"{readme.name}: {script} has no row in the table" for script in missing]
+    problems = [f"{readme.name}: {script} has no row in the table" for script in missing] + check_flags(text, readme.name)
+    for page in sorted((REPO / "docs").glob("*.md")):
+        problems += check_flags(page.read_text(), page.relative_to(REPO).as_posix())
     if args.check:
         problems = mismatches + problems
     elif mismatches:
