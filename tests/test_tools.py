@@ -31,13 +31,15 @@ def test_statistics_table_from_fixture_logs(tmp_path):
     # Medians leave each run's first epoch out: dp (20, 22) s and (70, 66) img/s; ddp (15, 14) s and (140, 150);
     # the bare loop 160 img/s, the ceiling 200.
     # dp's data wait: the median of 0.3 and 0.5 (its first epoch's 0.9 left out).
-    assert rows["dp"] == ["dp", "none", "1", "cpu", "3", "21.0", "68.0", "1.00", "90.5", "0.40", "0.425", "0.340"]
-    assert rows["ddp"] == ["ddp", "torchrun", "2", "cpu", "3", "14.5", "145.0", "2.13", "96.1", "0.01", "0.906",
-                           "0.725"]
-    assert rows["amp"][4:7] == ["1", "30.0", "55.0"], "a lone first epoch is all there is to count"
+    # Logs of older runs: no RECIPE line, no trainer's first line (but DeepSpeed's), so "-" for what they ran.
+    assert rows["dp"] == ["dp", "none", "1", "cpu", "-", "-", "-", "-", "3", "21.0", "68.0", "1.00", "90.5", "0.40",
+                          "0.425", "0.340"]
+    assert rows["ddp"] == ["ddp", "torchrun", "2", "cpu", "-", "-", "-", "-", "3", "14.5", "145.0", "2.13", "96.1",
+                           "0.01", "0.906", "0.725"]
+    assert rows["amp"][8:11] == ["1", "30.0", "55.0"], "a lone first epoch is all there is to count"
     # DeepSpeed's launcher prints its own lines among the trainer's.
-    assert rows["deepspeed"] == ["deepspeed", "deepspeed", "2", "cpu", "2", "20.0", "96.0", "1.41", "93.5", "0.01",
-                                 "0.600", "0.480"]
+    assert rows["deepspeed"] == ["deepspeed", "deepspeed", "2", "cpu", "resnet18", "-", "fp32", "32", "2", "20.0",
+                                 "96.0", "1.41", "93.5", "0.01", "0.600", "0.480"]
     assert "ceiling, 2 replicas with no communication: 200.0 images/s (median)" in r.stdout
     assert "horovod" not in rows
     assert "amp: partial (no DONE line" in r.stdout
@@ -85,9 +87,10 @@ def test_statistics_reads_the_metrics_log(tmp_path):
                                                   '"comm_overlapped": 0.0}\n')
     r = bash("statistics.sh", logs)
     assert r.returncode == 0, r.stderr
-    assert "| ddp | torchrun | 2 | cpu | 3 | 14.5 | 145.0 | 2.13 | 96.1 | 0.01 | 0.906 | 0.725 | 0.20 |" in r.stdout
+    assert "| ddp | torchrun | 2 | cpu | - | - | - | - | 3 | 14.5 | 145.0 | 2.13 | 96.1 | 0.01 | 0.906 | 0.725 | 0.20 |" \
+        in r.stdout
     assert "| 0.600 | 0.480 | - |" in r.stdout and "deepspeed: no collective in its trace" in r.stdout
-    assert "exposed comm |" in r.stdout and "| dp | none | 1 | cpu | 3 | 21.0 |" in r.stdout
+    assert "exposed comm |" in r.stdout and "| dp | none | 1 | cpu | - | - | - | - | 3 | 21.0 |" in r.stdout
     assert "ddp: partial" not in r.stdout
 
 
@@ -95,6 +98,79 @@ def test_statistics_reports_missing_logs(tmp_path):
     assert bash("statistics.sh", tmp_path / "none").returncode == 2
     r = bash("statistics.sh", tmp_path)
     assert r.returncode == 1 and "no usable logs" in r.stdout
+
+
+def gpu_logs(logs):
+    """start.sh's logs of all 9 methods on 4 GPUs: its RECIPE line, each trainer's first line, SUMMARY and DONE."""
+    logs.mkdir()
+    for name in ("dp", "ddp", "launch", "spawn", "amp", "horovod", "slurm", "fsdp", "deepspeed"):
+        world = 1 if name == "dp" else 4
+        lines = ['RECIPE {"image_size": 224, "gpus": 4, "precision": "%s"}'
+                 % ("bfloat16" if name == "fsdp" else "float32"),
+                 f"=> {name}: world size {world}, device cuda, arch resnet50, global batch 512 "
+                 f"({512 // world} per process x 1 micro-batches), launcher torchrun"]
+        if name == "amp":  # what apex_distributed.py ran wins over start.sh's line
+            lines.append("=> autocast float16, GradScaler on, channels_last on, compile off")
+        if name == "deepspeed":
+            lines.append("=> DeepSpeed 0.19.8: ZeRO stage 2, forward in bfloat16")
+        lines += ["SUMMARY " + json.dumps({"method": name, "launcher": "none" if name == "dp" else "torchrun",
+                                           "world_size": world,
+                                           "device": "cuda", "epoch": epoch, "val_acc1": 0.1, "epoch_time": 10.0,
+                                           "images_per_sec": 1000.0 + 100 * epoch,
+                                           "data_wait": 0.5 if name == "horovod" else 0.01})
+                  for epoch in range(3)]
+        (logs / f"{name}.log").write_text("\n".join(lines + ['DONE {"best_acc1": 0.1}']) + "\n")
+    return logs
+
+
+def test_statistics_names_each_rows_recipe_and_its_chart_labels_do_not_overlap(tmp_path):
+    """Rows of other precisions, models or batches are not compared unawares: the table and the chart name them.
+    The chart's text is measured by wrapping statistics.sh's Python: its labels' boxes, within the figure."""
+    logs = gpu_logs(tmp_path / "logs")
+    (tmp_path / "chart.py").write_text(f"""import json, sys
+import matplotlib
+matplotlib.use("Agg")
+from matplotlib.figure import Figure
+save = Figure.savefig
+def savefig(fig, *args, **kwargs):
+    save(fig, *args, **kwargs)
+    renderer = fig.canvas.get_renderer()
+    def drawn(labels, limits, xy):  # the locator's ticks beyond the axis' limits are not drawn
+        return [text for text in labels if min(limits) <= text.get_position()[xy] <= max(limits)]
+    texts = [text for ax in fig.axes for text in [ax.title, *drawn(ax.get_xticklabels(), ax.get_xlim(), 0),
+                                                  *drawn(ax.get_yticklabels(), ax.get_ylim(), 1)]
+             if text.get_visible() and text.get_text()]
+    with open({str(tmp_path / "boxes.json")!r}, "w") as f:
+        json.dump({{"figure": list(fig.bbox.extents), "texts": [[text.get_text(), *text.get_window_extent(renderer).extents]
+                                                          for text in texts]}}, f)
+Figure.savefig = savefig
+sys.argv = sys.argv[1:]  # statistics.sh runs "$PY - LOGDIR": its program on stdin
+exec(compile(sys.stdin.read(), "statistics.sh", "exec"), {{"__name__": "__main__"}})
+""")
+    (tmp_path / "python").write_text(f"#!/bin/sh\nexec {PYTHON} {tmp_path / 'chart.py'} \"$@\"\n")
+    (tmp_path / "python").chmod(0o755)
+    r = subprocess.run(["bash", "statistics.sh", logs], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHON": str(tmp_path / "python")})
+    assert r.returncode == 0, r.stderr
+    assert "| model | image size | precision | global batch |" in r.stdout
+    assert "| dp | none | 1 | cuda x4 | resnet50 | 224 | fp32 | 512 | 3 |" in r.stdout, "dp drives 4 GPUs"
+    assert "| ddp | torchrun | 4 | cuda x4 | resnet50 | 224 | fp32 | 512 |" in r.stdout
+    assert "| amp | torchrun | 4 | cuda x4 | resnet50 | 224 | fp16 |" in r.stdout, "apex's own line wins"
+    assert "| fsdp | torchrun | 4 | cuda x4 | resnet50 | 224 | bf16 |" in r.stdout
+    assert "| deepspeed | torchrun | 4 | cuda x4 | resnet50 | 224 | bf16 |" in r.stdout
+    assert "horovod: waited for batches 50% of its training time" in r.stdout
+    assert "launch: waited" not in r.stdout
+    chart = json.loads((tmp_path / "boxes.json").read_text())
+    labels = [text for text, *_ in chart["texts"]]
+    assert "fsdp: resnet50, 224 px, bf16, batch 512, world size 4, cuda x4" in labels
+    assert "dp: resnet50, 224 px, fp32, batch 512, world size 1, cuda x4" in labels
+    left, bottom, right, top = chart["figure"]
+    boxes = [(text, box) for text, *box in chart["texts"]]
+    for text, (x0, y0, x1, y1) in boxes:
+        assert left <= x0 and x1 <= right and bottom <= y0 and y1 <= top, f"'{text}' is cut off"
+    for i, (text, (x0, y0, x1, y1)) in enumerate(boxes):
+        for other, (u0, v0, u1, v1) in boxes[i + 1:]:
+            assert x1 <= u0 or u1 <= x0 or y1 <= v0 or v1 <= y0, f"'{text}' overlaps '{other}'"
 
 
 def test_step_split_of_a_known_cpu_timeline():
@@ -255,6 +331,48 @@ def test_start_dry_run_names_every_method(tmp_path):
     assert not list(tmp_path.glob("*.log")), "a dry run writes no logs"
 
 
+def test_start_dry_run_sizes_the_recipe_for_gpus(tmp_path):
+    """On GPUs (START_GPUS fakes 4 here): ResNet-50 at 224 px, 128 images per GPU, one precision for every method."""
+    methods = ("--methods", "dp,ddp,amp,fsdp,deepspeed", "--logs", tmp_path)
+    r = subprocess.run(["bash", "start.sh", "--dry-run", *methods], cwd=REPO, capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "START_GPUS": "4"})
+    assert r.returncode == 0, r.stderr
+    commands = {line.split(":")[0][3:]: line for line in r.stdout.splitlines() if line.startswith("== ")}
+    assert sorted(commands) == ["amp", "ddp", "deepspeed", "dp", "fsdp"], r.stdout
+    for line in commands.values():
+        assert re.search(r" --dummy --dummy-samples 51200 -a resnet50 --image-size 224 -b 512 -j \d+ --epochs 4 ", line)
+        assert "float16" not in line and "bfloat16" not in line, line
+    assert "--nproc-per-node=4 apex_distributed.py " in commands["amp"] and "--amp-dtype float32 " in commands["amp"]
+    assert "--gpus 0,1,2,3 " in commands["dp"]
+    assert "every method in fp32" in r.stdout
+    r = subprocess.run(["bash", "start.sh", "--dry-run", *methods, "--precision", "bf16", "--", "-b", "256"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "START_GPUS": "4"})
+    assert r.returncode == 0, r.stderr
+    commands = {line.split(":")[0][3:]: line for line in r.stdout.splitlines() if line.startswith("== ")}
+    assert "--amp-dtype bfloat16 -b 256 --output-dir" in commands["amp"], "args after -- come last, so they win"
+    assert "--param-dtype bfloat16 --reduce-dtype float32 -b 256 " in commands["fsdp"]
+    assert "--precision bfloat16 -b 256 " in commands["deepspeed"]
+    assert "dtype" not in commands["ddp"] and "--precision" not in commands["ddp"]
+    r = subprocess.run(["bash", "start.sh", "--methods", "ddp"], cwd=REPO, capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "START_GPUS": "4"})
+    assert r.returncode == 2 and "START_GPUS is for --dry-run" in r.stderr
+    # No GPU: the demo digits, as before, and no precision flag (apex picks its own on the CPU).
+    r = subprocess.run(["bash", "start.sh", "--dry-run", "--methods", "dp,ddp,amp", "--logs", tmp_path], cwd=REPO,
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "START_GPUS": "0"})
+    assert r.returncode == 0, r.stderr
+    assert "--data data/digits --image-size 32 -j 1 -b 32 " in r.stdout
+    assert "resnet50" not in r.stdout and "dtype" not in r.stdout and "fp32" not in r.stdout
+
+
+def test_start_writes_what_each_row_ran(tmp_path):
+    """A real run (dp, on the CPU): its log opens with start.sh's RECIPE line, and the table names the model, image
+    size, precision and global batch it ran (here the args after --, which come last)."""
+    r = bash("start.sh", "--methods", "dp", "--dummy", "--epochs", 1, "--logs", tmp_path, "--precision", "fp32",
+             "--", "--dummy-samples", 32, "--image-size", 32, "-b", 16, "-j", 0, "--val-batch-size", 16)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "dp.log").read_text().startswith('RECIPE {"image_size": 32, "gpus": 0, "precision": "float32"}\n')
+    assert "| dp | none | 1 | cpu | resnet18 | 32 | fp32 | 16 | 1 |" in r.stdout
+
 def test_imagenet_like_set_matches_imagenet_and_resizes(tmp_path):
     """tools/make_imagenet_like.py: ImageFolder layout, ImageNet's mean size (about 400x350, 110 KB) and
     encoding (quality 96, 4:4:4), the same bytes from the same seed, written by 1 process or 2;
@@ -313,6 +431,73 @@ def test_gpu_check_runs_offline_on_a_cpu_machine_and_says_what_it_skipped(tmp_pa
     assert r.returncode == 2 and r.stderr.splitlines() == [
         f"gpu_check.sh: error: --wheels {tmp_path} has no requirements.txt: fill it with scripts/fetch_wheels.sh "
         f"{tmp_path} on an online machine"]
+
+
+def test_gpu_check_stops_what_a_row_started_in_sessions_of_their_own(tmp_path):
+    """A row stopped at its timeout leaves nothing running: not even a process in a session of its own whose parent
+    is killed, as torchrun's workers are (torch's elastic subprocess handler starts them with start_new_session)."""
+    (tmp_path / "worker.py").write_text("import os, sys, time\nopen(sys.argv[1], 'w').write(str(os.getpid()))\n"
+                                        "time.sleep(120)\n")
+    (tmp_path / "launcher.py").write_text(  # torchrun's part: the worker in a new session, then it waits
+        "import os, subprocess, sys, time\nsubprocess.Popen([sys.executable] + sys.argv[1:], start_new_session=True)\n"
+        "while not os.path.exists(sys.argv[2]):\n    time.sleep(0.05)\ntime.sleep(120)\n")
+    pid_file = tmp_path / "worker.pid"
+    row = (f"import importlib.util, json, sys\nspec = importlib.util.spec_from_file_location('gpu_check', "
+           f"{str(REPO / 'scripts' / 'gpu_check.py')!r})\ngpu_check = importlib.util.module_from_spec(spec)\n"
+           "spec.loader.exec_module(gpu_check)\ngpu_check.become_subreaper()\n"
+           f"status, seconds, killed = gpu_check.run_row([sys.executable, {str(tmp_path / 'launcher.py')!r}, "
+           f"{str(tmp_path / 'worker.py')!r}, {str(pid_file)!r}], {str(tmp_path / 'row.log')!r}, 8)\n"
+           "print(json.dumps([status, killed]))\n")
+    r = subprocess.run([PYTHON, "-c", row], capture_output=True, text=True, timeout=60)
+    worker = int(pid_file.read_text())
+    alive = Path(f"/proc/{worker}").exists()
+    if alive:
+        os.kill(worker, 9)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == [None, 1] and not alive  # stopped at its timeout; the worker killed with it
+
+
+def test_gpu_check_takes_a_run_whose_loss_does_not_fall_for_no_measurement():
+    """A benchmark row's verdict from its first and last epoch's mean loss: one that is not finite or does not fall
+    says the run did not train (NaN weights, every step skipped), so its images/s measure nothing."""
+    verdict = script_module("scripts/gpu_check.py").loss_verdict
+    assert verdict([{"train_loss": 7.2}, {"train_loss": 6.9}]) == (7.2, 6.9, None)
+    assert "did not fall" in verdict([{"train_loss": 6.9}, {"train_loss": 6.9}])[2]
+    assert "not finite" in verdict([{"train_loss": 7.2}, {"train_loss": float("nan")}])[2]
+    assert "no train_loss" in verdict([{"images_per_sec": 1.0}, {"images_per_sec": 1.0}])[2]
+
+
+def test_bare_loop_trains_on_after_an_fp16_overflow_in_its_first_step(monkeypatch):
+    """GradScaler skipping step 1 leaves bare_ddp.py's fused SGD with zeroed momentum, as the trainers'. Without the
+    zeros, the fused step keeps the torch.empty_like buffers it made, unwritten: here NaN, as memory may hold."""
+    import torch
+    make_optimizer = script_module("benchmarks/bare_ddp.py").make_optimizer
+    monkeypatch.setattr(torch, "empty_like", lambda t, *args, **kwargs: torch.full_like(t, float("nan")))
+    model = torch.nn.Linear(8, 4)
+    optimizer = make_optimizer(model, 256)
+    model(torch.ones(2, 8)).sum().backward()
+    for found_inf in (1.0, 0.0):  # what GradScaler.step hands a fused optimizer: step 1 overflowed, step 2 did not
+        optimizer.grad_scale, optimizer.found_inf = torch.ones(()), torch.tensor(found_inf)
+        optimizer.step()
+    assert all(p.isfinite().all() for p in model.parameters())
+
+
+def test_vs_timm_says_loudly_which_peer_is_missing(tmp_path, capsys):
+    """A peer asked for and absent (benchmarks/peers/ is ignored by git: a machine sent only the tracked files has
+    none) is a bold line of the report and a warning, and the run's exit status is 1."""
+    vs_timm = script_module("benchmarks/vs_timm.py")
+    args = vs_timm.parse_args(["--timm-train", str(tmp_path / "train.py"), "--main-py", str(tmp_path / "main.py")])
+    state = {"notes": [], "skipped": {}}
+    missing = vs_timm.missing_peers(args, state)
+    assert [line for line in state["notes"] if line.startswith("**MISSING PEER**")] == state["notes"]
+    assert [line.split(" not found")[0] for line in state["notes"]] == [
+        "**MISSING PEER**: timm's train.py", "**MISSING PEER**: pytorch/examples' main.py"]
+    assert state["skipped"] == {"plain": f"skipped: pytorch/examples' main.py not found at {tmp_path / 'main.py'}"}
+    assert capsys.readouterr().err.splitlines() == missing and len(missing) == 3
+    (tmp_path / "main.py").touch()
+    state = {"notes": [], "skipped": {}}
+    args = vs_timm.parse_args(["--timm-train", "", "--main-py", str(tmp_path / "main.py")])
+    assert vs_timm.missing_peers(args, state) == [] and state == {"notes": [], "skipped": {}}
 
 
 # ---- README: its table's diff column, its snippets, its links and docs/'s ----
@@ -374,6 +559,38 @@ def test_an_altered_snippet_is_reported_with_its_readme_line():
 
     [problem] = readme_table.check_snippets(text.replace(f"<!-- snippet: {script} -->", ""))
     assert problem == f"README.md: {script} has no snippet (a ```python block after <!-- snippet: {script} -->)"
+
+
+def test_a_flag_the_docs_give_a_trainer_must_be_in_its_parser(tmp_path):
+    """Each way a page gives a trainer a flag, checked against the trainer's argument parser: a made-up flag in a
+    command (joined over a backslash), in a code span over two lines, in a table of flags (the title's trainer), under
+    a heading naming a trainer, is one problem naming the line; a launcher's flags, and another program's after a
+    pipe, are not the trainer's. On a README copy whose table of methods names a made-up flag, --check fails."""
+    page = tmp_path / "page.md"
+    page.write_text("# Knobs of apex_distributed.py\n\n```\n"
+                    "torchrun --standalone --nproc-per-node=2 distributed.py --data D -j 2 \\\n"
+                    "    --no-such-flag 1 --save-every=5  # --in-a-comment\n"
+                    "python distributed.py --data D | tee log --append\n```\n\n"
+                    "Run `python dataparallel.py --gpus 0,1\n--made-up` and `--standalone` alone.\n\n"
+                    "| flag | meaning |\n|---|---|\n| `--compile`, `-e --resume PATH\\|auto` | yes |\n"
+                    "| `--made-up-knob X` | no |\n\n"
+                    "### `horovod_distributed.py`: Horovod\n\n`--fp16-allreduce`, not `--zero-stage 2`.\n")
+    assert readme_table.check_flags(page.read_text(), "page.md") == [
+        "page.md:4: --no-such-flag is not a flag of distributed.py",
+        "page.md:9: --made-up is not a flag of dataparallel.py",
+        "page.md:15: --made-up-knob is not a flag of apex_distributed.py",
+        "page.md:19: --zero-stage is not a flag of horovod_distributed.py"]
+
+    lines = (REPO / "README.md").read_text().splitlines(keepends=True)
+    row = next(i for i, line in enumerate(lines) if line.startswith("| `horovod_distributed.py`"))
+    assert "`--fp16-allreduce`" in lines[row]
+    lines[row] = lines[row].replace("`--fp16-allreduce`", "`--fp16-all-reduce`")
+    copy = tmp_path / "README.md"
+    copy.write_text("".join(lines))
+    r = subprocess.run([PYTHON, REPO / "tools" / "readme_table.py", "--check", "--readme", copy], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 1
+    assert f"README.md:{row + 1}: --fp16-all-reduce is not a flag of horovod_distributed.py" in r.stderr.splitlines()
 
 
 def markdown_lines(path):
