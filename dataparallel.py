@@ -303,7 +303,8 @@ def training_arguments(description):
     add("--min-crop-scale", type=number(float, 0, 1, open_low=True), default=0.08, help="smallest crop area kept")
     add("-j", "--workers", type=number(int, 0), default=4, help="data loading workers (DALI: threads) per process")
     add("--data-backend", choices=["torch", "dali"], default="torch", help="torch's DataLoader, or NVIDIA DALI")
-    add("--decoder", choices=["torchvision", "pil"], default="torchvision", help="the DataLoader's JPEG/PNG decoder")
+    add("--decoder", choices=["torchcodec", "torchvision", "pil"], help="the DataLoader's JPEG/PNG decoder "
+        "(default: torchcodec where it is installed, else torchvision)")
     add("--epochs", type=number(int, 1), default=90, help="total epochs to run")
     add("-b", "--batch-size", type=number(int, 1), default=256, help="GLOBAL batch per optimizer step, over all ranks")
     add("--val-batch-size", type=number(int, 1), default=64, help="evaluation batch per process, at any world size")
@@ -502,6 +503,7 @@ def build_datasets(args):
     val_tf = transforms.Compose([transforms.Resize(args.image_size * 256 // 224), transforms.CenterCrop(args.image_size),
                                  transforms.PILToTensor()])
     try:
+        args.decoder = pick_decoder(args.decoder)
         loader = functools.partial(load_image, decoder=args.decoder)
         train = datasets.ImageFolder(os.path.join(args.data, "train"), train_tf, loader=loader)
         val = datasets.ImageFolder(os.path.join(args.data, "val"), val_tf, loader=loader)
@@ -547,15 +549,35 @@ def open_image(path):
         raise LocalError(f"cannot read image '{path}' ({e}): replace or delete the file") from None
 
 
-def load_image(path, decoder="torchvision"):
-    """ImageFolder's loader: JPEGs and PNGs (any mode, whatever the name says) by torchvision.io into uint8 CHW,
-    1.4x faster per core than PIL (benchmarks/input_pipeline.py); other formats, damaged files and --decoder pil
-    by PIL into RGB, after open_image's checks. EXIF rotation is not applied (nor by PIL's loader, nor DALI)."""
+def pick_decoder(choice):
+    """--decoder's, by default TorchCodec's where it imports (torchvision 0.29 deprecates its decoders for them), else
+    torchvision.io's (a site's older torchvision, without TorchCodec)."""
+    if choice in (None, "torchcodec"):
+        try:
+            import torchcodec.decoders  # noqa: F401
+            return "torchcodec"
+        except (ImportError, RuntimeError, OSError) as e:  # not installed, or not built for this torch
+            if choice:
+                raise UsageError(f"--decoder torchcodec: TorchCodec cannot be imported ({e}): pip install the "
+                                 f"torchcodec for torch {torch.__version__}, or pass --decoder torchvision") from None
+    return choice or "torchvision"
+
+
+def load_image(path, decoder="torchcodec"):
+    """ImageFolder's loader: JPEGs and PNGs (any mode, whatever the name says) by TorchCodec (or torchvision.io) into
+    uint8 CHW, 1.4x faster per core than PIL (benchmarks/input_pipeline.py); other formats, damaged files and
+    --decoder pil by PIL into RGB, after open_image's checks. EXIF rotation is applied by none (nor by DALI)."""
     with open_image(path) as image:
-        if decoder == "torchvision" and image.format in ("JPEG", "PNG"):
+        # TorchCodec turns an image by its EXIF orientation, which PIL, torchvision.io and DALI do not: PIL decodes it.
+        turned = decoder == "torchcodec" and image.getexif().get(0x0112, 1) != 1
+        if decoder != "pil" and image.format in ("JPEG", "PNG") and not turned:
             with contextlib.suppress(RuntimeError):  # a damaged file: PIL's error says what is wrong
-                decoded = decode_image(read_file(path), ImageReadMode.RGB)
-                return transforms.functional.to_dtype(decoded, torch.uint8, scale=True)  # 16-bit PNGs
+                if decoder == "torchcodec":
+                    from torchcodec.decoders import decode_image as decode_with_torchcodec
+                    decoded = decode_with_torchcodec(path, mode="RGB", output_dtype="auto")  # uint16: 16-bit PNGs
+                else:
+                    decoded = decode_image(read_file(path), ImageReadMode.RGB)
+                return transforms.functional.to_dtype(decoded, torch.uint8, scale=True)  # 16 bits to 8 as before
         return image.convert("RGB")  # as torchvision's pil_loader
 
 
@@ -1164,7 +1186,8 @@ def report_start(model, world_size, device, micro_batch, args, *collectives):
     """The run's first lines: what trains where, and the bytes each rank sends per step by ring algorithms (BatchNorm
     buffers, metrics left out). collectives: (kind, dtype: torch's name, fp16, bf16, None/"none": own, count a step)."""
     log(f"=> {METHOD}: world size {world_size}, device {device.type}, arch {args.arch}, global batch {args.batch_size} "
-        f"({micro_batch} per process x {args.grad_accum_steps} micro-batches), launcher {launcher_name(args)}")
+        f"({micro_batch} per process x {args.grad_accum_steps} micro-batches), launcher {launcher_name(args)}"
+        + (f", decoder {args.decoder}" if args.decoder and args.data_backend == "torch" else ""))
     if tuple(map(int, torch.__version__.split(".")[:2])) < OLDEST_TORCH:
         log(f"=> warning: torch {torch.__version__} is older than {'.'.join(map(str, OLDEST_TORCH))}, the oldest the "
             "cookbook's tests ran on (docs/testing.md): it may fail, or train otherwise, unnoticed by them")

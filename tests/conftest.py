@@ -104,12 +104,18 @@ def launch_command(script, launcher, nproc):
     raise ValueError(launcher)
 
 
+# torchvision 0.29 deprecates its image decoders (for TorchCodec's): a run that calls one fails, here as in pytest.ini.
+DECODER_DEPRECATED = "error::DeprecationWarning:torchvision.io.image"
+
+
 def environment(env=None):
     """This process's environment, one thread per process, tests/hooks (before any PYTHONPATH of the site's: a
-    site-installed torch stays found) with resnet_tiny, plus `env`, whose None values unset."""
+    site-installed torch stays found) with resnet_tiny, torchvision's deprecated decoders an error, plus `env`,
+    whose None values unset."""
     path = os.pathsep.join(filter(None, [HOOKS, os.environ.get("PYTHONPATH")]))
     return {key: value for key, value in dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=path,
-                                              COOKBOOK_TINY_RESNET="1", **(env or {})).items() if value is not None}
+                                              COOKBOOK_TINY_RESNET="1", PYTHONWARNINGS=DECODER_DEPRECATED,
+                                              **(env or {})).items() if value is not None}
 
 
 @functools.cache

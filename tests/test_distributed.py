@@ -643,27 +643,48 @@ def test_a_full_disk_at_save_is_one_line_and_keeps_the_last_checkpoint(tiny_data
     assert not list(out.glob(".*.tmp"))
 
 
+def load_image_with_torchvision(path):
+    """torchvision.io's decoders, the default where TorchCodec is not installed: deprecated by torchvision 0.29,
+    which says so (an error in this suite: pytest.ini) on each call."""
+    with pytest.warns(DeprecationWarning, match="TorchCodec"):
+        return distributed.load_image(path, "torchvision")
+
+
+def test_without_torchcodec_the_default_decoder_is_torchvisions(monkeypatch):
+    """A site's torch without TorchCodec (None in sys.modules makes the import fail as if absent): torchvision.io by
+    default, and --decoder torchcodec is one error line saying what to install."""
+    monkeypatch.setitem(sys.modules, "torchcodec.decoders", None)
+    assert distributed.pick_decoder(None) == "torchvision" and distributed.pick_decoder("pil") == "pil"
+    with pytest.raises(distributed.UsageError, match=f"--decoder torchcodec: TorchCodec cannot be imported .*: pip "
+                       f"install the torchcodec for torch {re.escape(torch.__version__)}, or pass --decoder torchvision"):
+        distributed.pick_decoder("torchcodec")
+
+
 def test_odd_images_decode_as_with_pil_and_a_bomb_is_refused_before_decoding(tmp_path):
-    """What ImageNet holds besides RGB JPEGs (CMYK and grey JPEGs, a PNG named .JPEG, palette PNGs) gives
-    torchvision's decoder PIL's pixels; a 16-bit PNG is scaled to 8 bits (PIL's loader saturates it); other
-    formats go to PIL; EXIF rotation is applied by neither. A 600-byte JPEG whose header claims 20000 x
-    20000 pixels is refused by PIL's bomb rule in one error naming it, before anything is decoded."""
+    """What ImageNet holds besides RGB JPEGs (CMYK and grey JPEGs, a PNG named .JPEG, palette PNGs) gives the
+    default decoder (TorchCodec's) PIL's pixels, and torchvision.io's, which it replaced; a 16-bit PNG is scaled to
+    8 bits alike by both (PIL's loader saturates it); other formats go to PIL; EXIF rotation is applied by none.
+    A 600-byte JPEG whose header claims 20000 x 20000 pixels is refused by PIL's bomb rule in one error naming it,
+    before anything is decoded."""
+    assert distributed.pick_decoder(None) == "torchcodec"
     rgb = Image.fromarray(numpy.random.default_rng(0).integers(0, 256, (40, 50, 3), dtype=numpy.uint8))
     rotated = Image.Exif()
     rotated[0x0112] = 6  # EXIF orientation: rotate 90 degrees to display
     files = {"cmyk.JPEG": (rgb.convert("CMYK"), "JPEG", {}), "grey.JPEG": (rgb.convert("L"), "JPEG", {}),
              "png.JPEG": (rgb, "PNG", {}), "palette.png": (rgb.convert("P"), "PNG", {"transparency": 3}),
-             "exif.JPEG": (rgb, "JPEG", {"exif": rotated}), "bmp.JPEG": (rgb, "BMP", {})}
+             "exif.JPEG": (rgb, "JPEG", {"exif": rotated}), "rgb.JPEG": (rgb, "JPEG", {"quality": 90}),
+             "bmp.JPEG": (rgb, "BMP", {})}
+    pixels = lambda decoded: decoded if torch.is_tensor(decoded) else transforms.functional.pil_to_tensor(decoded)
     for name, (image, kind, options) in files.items():
         image.save(tmp_path / name, kind, **options)
         decoded, with_pil = distributed.load_image(tmp_path / name), distributed.load_image(tmp_path / name, "pil")
-        assert with_pil.size == (50, 40) and torch.equal(transforms.functional.pil_to_tensor(with_pil),
-                                                         transforms.functional.pil_to_tensor(decoded)
-                                                         if kind == "BMP" else decoded), name
+        assert with_pil.size == (50, 40) and torch.equal(pixels(with_pil), pixels(decoded)), name
+        if kind != "BMP":
+            assert torch.equal(pixels(decoded), load_image_with_torchvision(tmp_path / name)), name
     wide = numpy.random.default_rng(0).integers(0, 65536, (40, 50), dtype=numpy.uint16)
     Image.fromarray(wide).save(tmp_path / "16-bit.png")
-    decoded = distributed.load_image(tmp_path / "16-bit.png")
-    assert decoded.dtype == torch.uint8 and torch.equal(decoded, torch.from_numpy(wide >> 8).byte().expand(3, -1, -1))
+    for decoded in (distributed.load_image(tmp_path / "16-bit.png"), load_image_with_torchvision(tmp_path / "16-bit.png")):
+        assert decoded.dtype == torch.uint8 and torch.equal(decoded, torch.from_numpy(wide >> 8).byte().expand(3, -1, -1))
     bomb = bytearray((tmp_path / "grey.JPEG").read_bytes())
     sof = bomb.index(b"\xff\xc0")  # the frame header: precision, then height and width
     bomb[sof + 5:sof + 9] = struct.pack(">HH", 20000, 20000)
