@@ -755,7 +755,8 @@ class DaliLoader:
         decoder = "mixed" if gpu else "cpu"  # mixed: nvJPEG decodes on the GPU, the CPU parses the headers
 
         # device_id None: a CPU-only pipeline, which runs without a GPU or driver.
-        @self.dali.pipeline_def(batch_size=self.batch_size, num_threads=max(1, self.args.workers),
+        # exec_dynamic: the executor whose outputs live while torch holds them (zero-copy below); an older DALI refuses.
+        @self.dali.pipeline_def(batch_size=self.batch_size, num_threads=max(1, self.args.workers), exec_dynamic=True,
                                 device_id=self.device.index if gpu else None)
         def pipe():
             files, labels, *window = fn.external_source(source, num_outputs=5 if self.seeded else 2, batch=True)
@@ -1260,7 +1261,7 @@ def write_metrics(kind, position, **fields):
         os.write(METRICS["fd"], (json.dumps({"kind": kind, "position": position, "time": round(time.time(), 3),
                                              **fields}) + "\n").encode())
     except OSError as e:  # a full disk or quota: one line, from rank 0, which writes it
-        raise UsageError(f"cannot write metrics.jsonl in --output-dir: {e.strerror} (free space there; "
+        raise LocalError(f"cannot write metrics.jsonl in --output-dir: {e.strerror} (free space there; "
                          "checkpoints already there are intact)") from None
 
 
@@ -1316,6 +1317,7 @@ def run(main_worker, args):
         return
     except UsageError as e:
         report(e)
+        every_rank = not isinstance(e, LocalError)
     except Stopped:
         leave_process_group()  # no rank leaves before rank 0 has written the checkpoint
         sys.exit(143)  # 128 + SIGTERM, as if the signal had ended the process: not a success, so it is requeued
@@ -1336,10 +1338,10 @@ def run(main_worker, args):
                   f"{args.dist_timeout:g} s for them in a collective (a hang, a stopped process, or far slower "
                   "work: py-spy dump shows where it is)", file=sys.stderr, flush=True)
         sys.exit(1)
-    # Bad input: its traceback (main_worker's frames) is gone here. No barrier, the other ranks may never come: leave
-    # the group, else NCCL's exit prints a warning that destroy_process_group() was not called.
+    # Bad input: its traceback (main_worker's frames) is gone here. Where every rank met it, leave the group, else NCCL's
+    # exit prints a warning that destroy_process_group() was not called; not alone: it waits for peers that train on.
     gc.collect()
-    if dist.is_initialized():
+    if dist.is_initialized() and every_rank:
         dist.destroy_process_group()
     sys.exit(2)
 

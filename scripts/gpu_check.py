@@ -63,14 +63,22 @@ def versions(modules):
     return found
 
 
-# Run in a child: in this process CUDA would keep a context, and GPU memory, for the whole check.
-MACHINE_PROBE = """import json, sys, torch, torchvision
+# Run in a child: in this process CUDA would keep a context, and GPU memory, for the whole check. TorchCodec (the
+# trainers' default decoder) is imported, not just looked up: a build for another torch is installed but fails here.
+MACHINE_PROBE = """import importlib.metadata, importlib.util, json, sys, torch, torchvision
+codec = "not installed"
+if importlib.util.find_spec("torchcodec"):
+    try:
+        import torchcodec
+        codec = torchcodec.__version__
+    except (ImportError, OSError, RuntimeError) as e:
+        codec = importlib.metadata.version("torchcodec") + " (does not load: " + str(e).strip().splitlines()[0] + ")"
 gpus = torch.cuda.device_count()
 print(json.dumps({"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
                   "gpus": gpus, "cudnn": torch.backends.cudnn.version() if gpus else None,
                   "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpus else None,
                   "bf16": bool(gpus) and torch.cuda.is_bf16_supported(including_emulation=False),
-                  "torchvision": torchvision.__version__}))"""
+                  "torchvision": torchvision.__version__, "torchcodec": codec}))"""
 
 
 def machine():
@@ -161,7 +169,7 @@ def render(state, out):
     lines = [f"# GPU check, {state['date']}", "", f"Command: `{state['command']}`", "",
              f"- GPU: {m['gpu']} ({m['gpus']} visible to torch)",
              f"- torch {m['torch']} (CUDA {m['cuda']}, cuDNN {m['cudnn']}, NCCL {m['nccl']}), torchvision "
-             f"{m['torchvision']}, Python {m['python']}",
+             f"{m['torchvision']}, TorchCodec {m['torchcodec']}, Python {m['python']}",
              "- " + ", ".join(f"{ENGINES[k][0]} {v or 'absent'}" for k, v in state["engines"].items()), ""]
     lines += [f"- {note}" for note in state["notes"]] + ([""] if state["notes"] else [])
     suite = state["suite"]
@@ -282,11 +290,12 @@ def run_benchmark(state, args, out, logs, deadline):
             continue
         render(state, out)
         log = logs / f"bench-{len(bench['rows'])}.log"
+        known = script in walls  # measured to fit before: stopped at the deadline, it hung
         status, walls[script], killed = run_row(command, log, min(args.bench_timeout, left))
         summaries = [json.loads(line.split(" ", 1)[1]) for line in log.read_text().splitlines()
                      if line.startswith("SUMMARY ") and '"images_per_sec"' in line]
         stopped = f"; {killed} processes it left behind killed" if killed else ""
-        if status is None and left < args.bench_timeout:  # the budget's deadline, not a hung run: as if skipped
+        if status is None and left < args.bench_timeout and not known:  # the budget's deadline: as if skipped
             row["result"] = f"skipped: stopped at the --time-budget deadline after {walls[script]:.0f} s (log {log})"
         elif status != 0 or len(summaries) < 2:
             ok = False

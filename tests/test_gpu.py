@@ -89,7 +89,7 @@ def probe_once(expect_gpus):
 # A failed probe fails the module with its error (a GPU that the driver lists and torch cannot use, an import
 # error): a skip would pass the suite. CUDA_VISIBLE_DEVICES="" at the session's start hides the GPUs on purpose
 # (conftest.GPU_ENV keeps it): torch then counts none, and the module skips.
-DRIVER_GPUS = driver_gpus() if GPU_ENV["CUDA_VISIBLE_DEVICES"] != "" else 0
+DRIVER_GPUS = driver_gpus() if GPU_ENV["CUDA_VISIBLE_DEVICES"] not in ("", "-1") else 0  # as the trainers read it
 _returncode, _stdout, _stderr = probe_once(DRIVER_GPUS > 0)
 if _returncode:
     visible = GPU_ENV["CUDA_VISIBLE_DEVICES"]
