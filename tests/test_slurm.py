@@ -1,22 +1,24 @@
-"""distributed_slurm_main.py on a real Slurm cluster: two slurmd nodes on this machine, started by
-scripts/slurm_cluster.sh, jobs sent with srun and sbatch. A cluster that cannot start fails the tests."""
+"""distributed_slurm_main.py, and scripts/slurm_train.sbatch starting apex_distributed.py with torchrun on every
+node, on a real Slurm cluster: two slurmd nodes on this machine, started by scripts/slurm_cluster.sh, jobs sent
+with srun and sbatch. A cluster that cannot start fails the tests."""
 import os
 import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import FAST, PYTHON, REPO, RESNET18, Result, environment, run
+from conftest import FAST, PYTHON, REPO, Result, environment, run
 
 sys.path.insert(0, str(REPO))
 import distributed_slurm_main  # noqa: E402  (the script itself, for its pure helpers)
 
 SCRIPT = "distributed_slurm_main.py"
 CLUSTER = ["bash", str(REPO / "scripts" / "slurm_cluster.sh")]
-# The repo's batch script scaled down to the test cluster: 2 nodes x 1 CPU task, no GPUs.
+# The repo's batch script scaled down to the test cluster: 2 nodes, one task of 1 CPU on each, no GPUs.
 SBATCH_SMALL = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gpus-per-node=0", "--time=10"]
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING"}
 PROGRESS = "Epoch: [0][1/3]"  # the first step's progress line
@@ -109,22 +111,24 @@ def test_first_host_matches_scontrol(nodelist):
     assert distributed_slurm_main.first_host(nodelist) == expanded.stdout.split()[0]
 
 
-# ---- sbatch: the repo's batch script, cancelled, resubmitted ----
+# ---- sbatch: the repo's batch script: torchrun on every node, signalled, requeued ----
 
-def sbatch(tmp, args, env=None):
-    """Submit a batch job; returns its id and the file its output goes to."""
+def sbatch(tmp, args, env=None, cwd=REPO):
+    """Submit a batch job from cwd (where it runs); returns its id and the file its output goes to."""
     proc = subprocess.run(["sbatch", "--parsable", f"--output={tmp}/slurm-%j.out"] + [str(a) for a in args],
-                          cwd=REPO, env=environment(env), capture_output=True, text=True, check=True)
+                          cwd=cwd, env=environment(env), capture_output=True, text=True, check=True)
     job = proc.stdout.strip().split(";")[0]
     return job, tmp / f"slurm-{job}.out"
 
 
-def submit_training(tmp, data, output_dir, epochs, trainer_args=()):
-    """scripts/slurm_train.sbatch as a user scales it down: sbatch options, knobs in the environment."""
-    knobs = {"DATA": str(data), "OUTPUT_DIR": str(output_dir), "ARCH": "resnet18", "EPOCHS": str(epochs),
-             "BATCH_SIZE": "32", "PYTHON": PYTHON}
-    # resnet18 (FAST's resnet_tiny would override ARCH): its steps leave scancel time to signal the job mid-epoch.
-    return sbatch(tmp, SBATCH_SMALL + ["scripts/slurm_train.sbatch"] + FAST + RESNET18 + list(trainer_args), env=knobs)
+def submit_training(tmp, data, script="apex_distributed.py", nproc_per_node=1, trainer_args=()):
+    """scripts/slurm_train.sbatch as a user scales it down (sbatch options, knobs in the environment), submitted
+    from tmp: its default OUTPUT_DIR is tmp/checkpoints/imagenet-ddp-<job id>. 4 epochs of 3 steps of the tiny
+    model: a signal sent at the first step's progress line has 11 more steps to land in."""
+    knobs = {"SCRIPT": str(REPO / script), "NPROC_PER_NODE": str(nproc_per_node), "DATA": str(data),
+             "ARCH": "resnet_tiny", "EPOCHS": "4", "BATCH_SIZE": "32", "PYTHON": PYTHON}
+    return sbatch(tmp, SBATCH_SMALL + [REPO / "scripts" / "slurm_train.sbatch"] + FAST + list(trainer_args),
+                  env=knobs, cwd=tmp)
 
 
 def job_state(job):
@@ -148,28 +152,34 @@ def finish(job, log):
 
 
 @pytest.fixture(scope="module")
-def batch_training(tiny_data, tmp_path_factory):
-    """An uninterrupted run of the batch script for the given number of epochs (each run only once)."""
-    runs = {}
-
-    def get(epochs):
-        if epochs not in runs:
-            tmp = tmp_path_factory.mktemp("sbatch")
-            runs[epochs] = finish(*submit_training(tmp, tiny_data, tmp / "ckpt", epochs))[1]
-        return runs[epochs]
-    return get
+def jobs_dir(tmp_path_factory):
+    """Where the apex_distributed.py jobs are submitted from, as a user submits every experiment from one place."""
+    return tmp_path_factory.mktemp("jobs")
 
 
-def test_sbatch_script_scaled_down(batch_training):
-    check_training(batch_training(2), world_size=2, launcher="srun", epochs=2)
+@pytest.fixture(scope="module")
+def batch_training(tiny_data, jobs_dir):
+    """An uninterrupted apex_distributed.py job (its Result and id), first in jobs_dir."""
+    job, log = submit_training(jobs_dir, tiny_data)
+    state, r = finish(job, log)
+    assert state == "COMPLETED", r.stdout
+    return r, job
+
+
+def test_sbatch_trains_apex_over_torchrun_on_both_nodes(batch_training, jobs_dir):
+    """One torchrun per node, meeting at the first (c10d), one process each: one run of world size 2."""
+    r, job = batch_training
+    check_training(r, world_size=2, launcher="torchrun", epochs=4)
+    assert (jobs_dir / "checkpoints" / f"imagenet-ddp-{job}" / "checkpoint.pth").is_file()
 
 
 def signal_and_requeue(job, log, out):
     """Slurm's warning before the time limit, mid-training: SIGUSR1 to the batch shell (what #SBATCH
-    --signal=B:USR1@300 sends; here scancel --batch). The script passes it on to the trainers, which
-    stop together after their current step, checkpoint it and exit 143, and then requeues the job.
-    The requeued run (held until its first run's credential expired: 11 s on the test cluster, 121 s
-    by default) must resume from that checkpoint and complete. Returns its Result."""
+    --signal=B:USR1@300 sends; here scancel --batch). The script passes it on through srun to the task on
+    each node, which passes it on to its processes; they stop together after their current step, checkpoint
+    it and exit 143, and the script requeues the job. The requeued run (held until its first run's credential
+    expired: 11 s on the test cluster, 121 s by default) must resume from that checkpoint in `out` and
+    complete. Returns its Result."""
     wait_until(lambda: PROGRESS in (log.read_text() if log.exists() else "") or job_state(job)[0] not in ACTIVE,
                "training to start")
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
@@ -179,26 +189,49 @@ def signal_and_requeue(job, log, out):
     state, r = finish(job, log)
     assert state == "COMPLETED", r.stdout
     stopped = re.search(r"=> stopped on a signal after step (\d+) of epoch (\d+)", r.stdout)
-    assert stopped and "slurm_train.sbatch: stopped on a signal (trainers exited 143): requeueing" in r.stdout
+    assert stopped and re.search(rf"slurm_train\.sbatch: stopped on a signal \(trainers exited \d+[^)]*\): "
+                                 rf"requeueing job {job}\n", r.stdout), r.stdout
     checkpoint = out / f"checkpoint-epoch{stopped[2]}-step{stopped[1]}.pth"
-    assert f"=> loaded checkpoint '{checkpoint}' (epoch {stopped[2]}, step {stopped[1]})" in r.stdout
+    assert f"=> loaded checkpoint '{checkpoint}' (epoch {stopped[2]}, step {stopped[1]})" in r.stdout, r.stdout
     return r
 
 
-def test_signalled_job_checkpoints_requeues_itself_and_resumes_bitwise(tiny_data, tmp_path, batch_training):
-    """One task per process: the requeued job ends bitwise where an uninterrupted one does."""
-    out = tmp_path / "ckpt"
-    r = signal_and_requeue(*submit_training(tmp_path, tiny_data, out, 2, ["-p", 1]), out)
-    assert r.done["state_sha256"] == batch_training(2).done["state_sha256"], \
+def test_signalled_job_checkpoints_requeues_itself_and_resumes_bitwise(tiny_data, jobs_dir, batch_training):
+    """apex_distributed.py over torchrun: each node's torchrun passes the signal on to its process (in a session
+    of its own, which Slurm's proctrack/cgroup does not signal) and waits for it; the requeued job ends bitwise
+    where an uninterrupted one does. Submitted where that one was: its default OUTPUT_DIR is its own, so it
+    starts fresh instead of continuing the other job's run."""
+    job, log = submit_training(jobs_dir, tiny_data, trainer_args=["-p", 1])
+    out = Path("checkpoints") / f"imagenet-ddp-{job}"  # relative: as the job, running in jobs_dir, names it
+    r = signal_and_requeue(job, log, out)
+    assert f"=> --resume auto: no checkpoint in '{out}', starting fresh" in r.stdout
+    assert r.stdout.count("closing signal SIGUSR1") == 2, "each node's torchrun must pass the signal on"
+    assert r.done["state_sha256"] == batch_training[0].done["state_sha256"], \
         "the requeued job must end bitwise where an uninterrupted one does"
 
 
 def test_signalled_spawning_task_waits_for_its_processes_to_checkpoint(tiny_data, tmp_path):
-    """One task per node spawning 2 processes: the signal reaches the spawning task, which must pass it
-    on and wait. Killed by it, the task would end the job step before its processes had checkpointed."""
-    out = tmp_path / "ckpt"
-    r = signal_and_requeue(*submit_training(tmp_path, tiny_data, out, 1, ["-p", 1, "--nprocs-per-node", 2]), out)
+    """SCRIPT=distributed_slurm_main.py: one task per node spawning 2 processes, no torchrun. The signal reaches
+    the spawning task, which must pass it on and wait. Killed by it, the task would end the job step before its
+    processes had checkpointed."""
+    job, log = submit_training(tmp_path, tiny_data, "distributed_slurm_main.py", 2, ["-p", 1])
+    r = signal_and_requeue(job, log, Path("checkpoints") / f"imagenet-ddp-{job}")
+    assert {(s["launcher"], s["world_size"]) for s in r.summaries} == {("srun+mp.spawn", 4)}
     assert r.done["ranks_identical"] and len(r.done["state_sha256"]) == 4
+
+
+def test_sbatch_refuses_a_trainer_torchrun_cannot_start(tiny_data, tmp_path):
+    state, r = finish(*sbatch(tmp_path, SBATCH_SMALL + [REPO / "scripts" / "slurm_train.sbatch"],
+                              env={"SCRIPT": "horovod_distributed.py"}))
+    assert (state, r.returncode) == ("FAILED", 2), r.stdout
+    assert "slurm_train.sbatch: error: SCRIPT=horovod_distributed.py cannot run under torchrun" in r.stdout
+
+
+def test_trainer_without_launcher_in_a_step_of_two_tasks_is_refused(tiny_data, tmp_path):
+    """srun -n2 python apex_distributed.py: no launcher numbers the two tasks, which would train apart."""
+    r = run(["--data", tiny_data, "-b", 32, "--output-dir", tmp_path] + FAST, launcher="srun", nproc=2,
+            script="apex_distributed.py")
+    check_usage_error(r, "this Slurm step")
 
 
 def test_batch_script_without_srun_is_refused(tiny_data, tmp_path):
