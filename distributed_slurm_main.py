@@ -1371,6 +1371,8 @@ def run(main_worker, args):
         every_rank = not isinstance(e, LocalError)
     except Stopped:
         leave_process_group()  # no rank leaves before rank 0 has written the checkpoint
+        # A launcher's second SIGTERM would end the exit with -15: Python drops its handlers before torch's teardown.
+        ignore_stop_signals(None)
         sys.exit(143)  # 128 + SIGTERM, as if the signal had ended the process: not a success, so it is requeued
     except RuntimeError as e:
         if any(words in str(e) for words in PEER_EXITED):  # the peer's own line, or its launcher, says why
