@@ -406,6 +406,25 @@ def test_imagenet_like_set_matches_imagenet_and_resizes(tmp_path):
     assert all(abs(i.width / i.height - o.width / o.height) < 0.01 for i, o in zip(resized, images))
 
 
+FAKE_TRAINER = """import json, os, sys, time
+with open(os.path.join(os.environ["FAKE_LOG"], os.path.basename(__file__) + ".json"), "w") as f:
+    json.dump(sys.argv[1:], f)
+print("Epoch: [0][ 1/9]", flush=True)
+r, w = os.pipe()
+if os.fork() == 0:  # a loader worker: 64 MB of its own, then it waits to be killed with the run
+    held = bytearray(64 << 20)
+    held[::4096] = b"x" * len(held[::4096])
+    os.write(w, str(os.getpid()).encode())
+    time.sleep(600)
+worker = os.read(r, 16).decode()
+with open(os.path.join(os.environ["FAKE_LOG"], os.path.basename(__file__) + ".pid"), "w") as f:
+    f.write(worker)
+time.sleep(1)  # for the samples to see it
+print("Epoch: [0][ 3/9]", flush=True)
+time.sleep(600)
+"""
+
+
 def test_gpu_check_runs_offline_on_a_cpu_machine_and_says_what_it_skipped(tmp_path):
     """The offline check (the default) on a machine without GPUs: it installs nothing and uses no network
     (a proxy that refuses every connection), writes both reports, one line per absent engine, and every GPU
@@ -661,3 +680,61 @@ def test_metrics_tensorboard_follows_a_resumed_run_without_repeating_steps(tmp_p
     assert [(s.step, s.value) for s in events.Scalars("train/loss")] == [(2, 2.0), (4, 1.5), (6, pytest.approx(1.1))]
     assert [(s.step, s.value) for s in events.Scalars("summary/val_acc1")] == [(4, 40.0)]
     assert "summary/ranks_identical" not in events.Tags()["scalars"]
+
+
+def test_input_pipeline_runs_its_cpu_rows_side_by_side_and_says_why_each_gpu_row_skipped(tmp_path):
+    """benchmarks/input_pipeline.py on 40 small JPEGs, with no CUDA device: every CPU row measured (median, range)
+    with the trainers' default (TorchCodec here) beside torchvision.io's, their round-by-round ratio, each GPU row one
+    line saying why it skipped, and torchvision's notice that TorchCodec supersedes it named once, with its rows."""
+    import numpy as np
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    for split, count in (("train", 20), ("val", 2)):
+        for label in ("a", "b"):
+            (tmp_path / split / label).mkdir(parents=True)
+            for i in range(count):
+                pixels = rng.integers(0, 256, (80, 96, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(tmp_path / split / label / f"{i}.JPEG", quality=90)
+    r = subprocess.run([PYTHON, REPO / "benchmarks" / "input_pipeline.py", "--data", tmp_path, "--images", "40",
+                        "--rounds", "2", "--max-workers", "0", "--sweep-images", "32"], cwd=REPO, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr
+    rows = {cells[0]: cells[1:] for cells in (line.strip("| ").split(" | ") for line in r.stdout.splitlines()
+                                              if line.startswith("| ") and "| backend |" not in line)}
+    measured = ["today", "default", "default --decoder torchvision", "default --decoder pil", "tc-decode", "tv-decode",
+                "pil-draft", "normalise"]
+    assert list(rows)[:12] == measured[:-1] + ["dali-cpu", "normalise", "dali-mixed", "tv-decode-cuda",
+                                               "torchcodec-cuda"]
+    assert rows["default"][0] == "the trainers' default, --decoder torchcodec: uint8"
+    for name in measured:  # dali-cpu left out: it runs where DALI is installed
+        median, low, high = map(float, re.fullmatch(r"(\d+) \((\d+)-(\d+)\)", rows[name][1]).groups())
+        assert low <= median <= high, rows[name]
+        assert float(rows[name][2]) == pytest.approx(1000 / median, rel=0.01, abs=0.006), rows[name]  # CPU ms/image
+    for name in ("dali-mixed", "tv-decode-cuda", "torchcodec-cuda"):
+        assert rows[name][1:] == ["skipped: no CUDA device"]  # its empty cells stripped with the line's "| "
+    assert re.search(r"^default \(--decoder torchcodec\) / default --decoder torchvision, per core, round by round: "
+                     r"median \d\.\d\d \(range \d\.\d\d-\d\.\d\d\)$", r.stdout, re.M)
+    warned = [line for line in r.stdout.splitlines() if line.startswith("warned by ")]
+    assert len(warned) == 1 and warned[0].startswith(
+        "warned by default --decoder torchvision, tv-decode: DeprecationWarning: The image decoding and encoding "
+        "capabilities of TorchVision are deprecated"), warned
+
+
+def test_gpu_check_names_the_torchcodec_it_found_next_to_torch(tmp_path, monkeypatch):
+    """The machine lines name TorchCodec's version as the probe's torch imports it, and a TorchCodec that is installed
+    but does not load with this torch (a build for another one) as such, with the first line of its error."""
+    gpu_check = script_module("scripts/gpu_check.py")
+    found = gpu_check.machine()
+    state = {"date": "today", "command": "check", "machine": found, "engines": {}, "notes": [],
+             "suite": {"status": "not run", "rows": []}, "benchmark": {"status": "not run", "workload": "", "rows": []}}
+    gpu_check.render(state, tmp_path / "check.md")
+    import torchcodec
+    assert f", torchvision {found['torchvision']}, TorchCodec {torchcodec.__version__}, Python " in (
+        tmp_path / "check.md").read_text()
+    (tmp_path / "torchcodec").mkdir()  # on PYTHONPATH, it shadows the installed one as a build for another torch would
+    (tmp_path / "torchcodec" / "__init__.py").write_text(
+        "raise OSError('libtorchcodec_image.so: undefined symbol: torch_new_api\\nmore')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    from importlib.metadata import version
+    assert gpu_check.machine()["torchcodec"] == (f"{version('torchcodec')} (does not load: libtorchcodec_image.so: "
+                                                 "undefined symbol: torch_new_api)")
