@@ -51,15 +51,17 @@ class Result:
     stderr: str
     summaries: list = field(default_factory=list)  # one dict per SUMMARY line (rank 0, one per epoch)
     done: dict = None  # the DONE line: per-rank digests of the final model
+    launcher: str = None  # how run() started it (launch_command's names, or "forked"), and how many processes
+    nproc: int = 1
 
     def check(self):
         assert self.returncode == 0, f"exit {self.returncode}\nstdout:\n{self.stdout}\nstderr:\n{self.stderr}"
         return self
 
     @classmethod
-    def parse(cls, returncode, stdout, stderr):
-        """A finished run, with the machine-readable lines of its output collected."""
-        result = cls(returncode, stdout, stderr)
+    def parse(cls, returncode, stdout, stderr, **started):
+        """A finished run, with the machine-readable lines of its output collected (started: launcher, nproc)."""
+        result = cls(returncode, stdout, stderr, **started)
         for line in stdout.splitlines():
             kind, _, payload = line.partition(" ")
             if kind in ("SUMMARY", "DONE"):
@@ -156,30 +158,47 @@ def run(args, launcher="python", nproc=1, script="distributed.py", env=None, tim
     and so do runs with loader workers: a spawned worker starts a Python of its own)."""
     if launcher == "forked":
         proc = run_forked(launch_command(script, "python", 1) + [str(a) for a in args], environment(env), timeout)
-        return Result.parse(proc.returncode, proc.stdout, proc.stderr)
+        return Result.parse(proc.returncode, proc.stdout, proc.stderr, launcher=launcher)
     proc = subprocess.run(launch_command(script, launcher, nproc) + [str(a) for a in args], cwd=REPO,
                           env=environment(env), capture_output=True, text=True, timeout=timeout,
                           preexec_fn=preexec_fn)
     if launcher == "horovodrun":  # it starts each line of rank N's output with "[N]<stdout>:" or "[N]<stderr>:"
         proc.stdout, proc.stderr = (re.sub(r"(?m)^\[\d+\]<std(?:out|err)>:", "", s) for s in (proc.stdout, proc.stderr))
-    return Result.parse(proc.returncode, proc.stdout, proc.stderr)
+    return Result.parse(proc.returncode, proc.stdout, proc.stderr, launcher=launcher, nproc=nproc)
+
+
+# Imports argv[1]; exits 3 where it is not installed (it, or a package above it, is not found), with the error line.
+ENGINE_PROBE = """
+import importlib, sys
+try:
+    importlib.import_module(sys.argv[1])
+except ModuleNotFoundError as error:
+    if not (sys.argv[1] + ".").startswith(f"{error.name}."):
+        raise
+    print(f"ModuleNotFoundError: {error}", file=sys.stderr)
+    sys.exit(3)
+"""
 
 
 @functools.cache  # once per pytest process: each probe is an interpreter importing torch
 def import_error(module, env):
-    """The last line of the error importing `module` in a process the tests would start (env: items), or None."""
-    probe = subprocess.run([PYTHON, "-c", f"import {module}"], capture_output=True, text=True,
+    """None where `module` imports in a process the tests would start (env: items), else (absent, the last line of
+    the error): absent where it is not installed at all, rather than installed and broken."""
+    probe = subprocess.run([PYTHON, "-c", ENGINE_PROBE, module], capture_output=True, text=True,
                            env=environment(dict(env)))
-    return (probe.stderr.strip().splitlines() or ["?"])[-1] if probe.returncode else None
+    return (probe.returncode == 3, (probe.stderr.strip().splitlines() or ["?"])[-1]) if probe.returncode else None
 
 
 def require_engine(module, install, env=None):
-    """Skip the test where `module` cannot be imported; fail it under CI=1, so CI never passes without
-    the engine. `install` says how to get it."""
+    """Skip the test where `module` is not installed, but fail it under CI=1 (README's test command sets it, as
+    .ci/run does), so that command never passes without the engine; fail it wherever the engine is installed and
+    does not import, so a broken install never passes as a skip (tests/test_gpu.py's needs() and check_engine do the
+    same). `install` says how to get it."""
     error = import_error(module, tuple(sorted((env or {}).items())))
     if error is not None:
-        reason = f"{module} cannot be imported ({error}): {install}"
-        if os.environ.get("CI", "") not in ("", "0", "false"):
+        absent, line = error
+        reason = f"{module} {'is not installed' if absent else 'does not import'} ({line}): {install}"
+        if not absent or os.environ.get("CI", "") not in ("", "0", "false"):
             pytest.fail(reason, pytrace=False)
         pytest.skip(reason)
 
@@ -241,6 +260,9 @@ def assert_same_checkpoints(straight_dir, split_dir):
 
 
 def max_abs_diff(a, b):
+    """The largest |a[k] - b[k]| over two state dicts, which must hold the same keys: a key one side lacks (an export
+    that left a weight out) fails, rather than going uncompared."""
+    assert a.keys() == b.keys(), f"keys differ: {sorted(a.keys() ^ b.keys())}"
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
@@ -272,10 +294,47 @@ def signal_at(step):
     return {"COOKBOOK_SIGNAL_STEP": str(step)}
 
 
+# A run stopped on a signal: every worker checkpoints, then exits 143, and each launcher reports that its own way
+# (measured with signal_at, torch 2.14.1, Horovod 0.28.1, DeepSpeed 0.19.8): {launcher: (its exit status, the line
+# giving the status of the first worker to end, the line giving each worker's, where it shows them)}. torchrun and
+# torch.distributed.launch exit 1 and list every failed worker in their failure summary ("exitcode  : 143"), the
+# first under "Root Cause"; horovodrun exits 1 and prints each worker's status, and the first's again. A launcher
+# ends the other workers once one has exited: a worker still finishing then (its interpreter's shutdown restores
+# SIGTERM's default action) ends by that SIGTERM (seen: "exitcode  : -15" for rank 1 of 2 under torchrun), or by a
+# SIGKILL after the launcher's grace period (horovodrun's is 5 s: runner/common/util/safe_shell_exec.py). The
+# deepspeed launcher exits with the first worker's status and prints only that one's (launcher/launch.py,
+# sigkill_handler); mp.spawn's launcher, multiprocessing_distributed.supervise, exits with the first's status.
+STOPPED = {"python": (143, None, None), "forked": (143, None, None), "spawn": (143, None, None),
+           "deepspeed": (143, r"exits with return code = (-?\d+)", r"exits with return code = (-?\d+)"),
+           "torchrun": (1, r"Root Cause \(first observed failure\):\n(?:.*\n)*?\s+exitcode\s+: (-?\d+)",
+                        r"exitcode\s+: (-?\d+)"),
+           "horovodrun": (1, r"The first process to do so was:\nProcess name: .*\nExit code: (-?\d+)",
+                          r"Process \d+ exit with status code (-?\d+)\.")}
+STOPPED["launch"] = STOPPED["torchrun"]
+REPORTS_EVERY_WORKER = {"torchrun", "launch", "horovodrun"}
+ENDED_BY_THE_LAUNCHER = {"143", "-15", "137", "-9"}  # its own exit after the stop, the launcher's SIGTERM or SIGKILL
+
+
+def assert_stopped(r, where):
+    """r (a Result of run()) stopped on a signal after `where` ("step 2 of epoch 0") and ended as STOPPED says its
+    launcher reports it: the first worker to end exited 143, and every worker the launcher shows exited 143 or was
+    ended by it (all of them, where it shows them all). A crash after the stop line (a traceback, exit 1)
+    fails, on any worker the launcher shows."""
+    output = r.stdout + r.stderr
+    status, first, each = STOPPED[r.launcher]
+    assert r.returncode == status and f"=> stopped on a signal after {where}" in r.stdout, output
+    if first is None:  # no launcher, or one that exits with its first worker's status: no traceback either
+        assert "Traceback" not in output, output
+    else:
+        found, statuses = re.search(first, output), re.findall(each, output)
+        assert found and found[1] == "143" and set(statuses) <= ENDED_BY_THE_LAUNCHER, output
+        assert r.launcher not in REPORTS_EVERY_WORKER or len(statuses) == r.nproc, output
+
+
 def resume_mid_epoch(out, interrupted, resumed, damaged=None):
     """EQUIV in float64, stopped by SIGTERM in its 2nd step of 3, with progress (so the ranks' check
     for a stop) after every step: it must stop right after that step, write a checkpoint of it and
-    exit with 143 (torchrun and horovodrun report their own failure). Then resumed from --output-dir
+    exit with 143, as its launcher reports it (assert_stopped). Then resumed from --output-dir
     out. interrupted(args, env) and resumed(args, env) run the trainer under test; returns the
     resumed run, which must have started at step 2 of epoch 0.
 
@@ -284,7 +343,7 @@ def resume_mid_epoch(out, interrupted, resumed, damaged=None):
     which must say so in one line and start at step 1."""
     save_every = ["--save-every", 1] if damaged else []
     r = interrupted(["--output-dir", out] + EQUIV + ["-p", 1] + save_every, {**FLOAT64, **signal_at(2)})
-    assert r.returncode != 0 and "=> stopped on a signal after step 2 of epoch 0" in r.stdout, r.stdout + r.stderr
+    assert_stopped(r, "step 2 of epoch 0")
     assert "Epoch: [0][3/3]" not in r.stdout
     if damaged:
         newest = Path(out) / damaged
@@ -303,24 +362,6 @@ def copy_checkpoint(source_dir, name, dest_dir):
     source = Path(source_dir) / name
     (shutil.copytree if source.is_dir() else shutil.copyfile)(source, dest_dir / name)
     shutil.copyfile(f"{source}.sha256", dest_dir / f"{name}.sha256")
-
-
-def resume_twice_bitwise(out, launch, straight, signal_step=2):
-    """Resumes a BatchNorm model (tiny_data, -b 32: 3 steps an epoch) from out, which holds the checkpoint
-    of its first epoch's end, for a second epoch: stopped by SIGTERM in step 2 of epoch 1 (not of epoch 0:
-    the run began at the epoch's end), and resumed from its checkpoint of that step. Every rank's final
-    weights and BatchNorm running statistics (state_sha256 digests both) equal `straight`'s, the same
-    2 epochs uninterrupted at the same world size. launch(args, env) runs the trainer under test with
-    its run's other arguments. Returns the stopped run and the last one.
-
-    signal_step: the process's optimizer step that sends the signal, counting any step its resume takes."""
-    stopped = launch(["--output-dir", out, "--epochs", 2, "-p", 1, "--resume", "auto"], signal_at(signal_step))
-    assert stopped.returncode != 0 and "=> stopped on a signal after step 2 of epoch 1" in stopped.stdout, \
-        stopped.stdout + stopped.stderr
-    r = launch(["--output-dir", out, "--epochs", 2, "--resume", "auto"], None).check()
-    assert "(epoch 1, step 2)" in r.stdout and "Epoch: [1][3/3]" in r.stdout, r.stdout
-    assert r.done["state_sha256"] == straight.done["state_sha256"]
-    return stopped, r
 
 
 def float64_weights(out):
@@ -554,3 +595,130 @@ def pytest_collection_modifyitems(items):
         module = Path(item.fspath).name
         if module not in FAST_TIER and f"{module}::{item.originalname}" not in FAST_TIER:
             item.add_marker(pytest.mark.slow)
+
+
+# Float32 too, as users train (float64 takes other oneDNN kernels and paths): DDP (test_deepspeed.py, whose reference it
+# is), FSDP and Horovod on 2 processes against 1 on EQUIV's 3 steps on resnet18 (conftest.float32_weights), where
+# 2 x 16 images round otherwise than 1 x 32 and from the second step a ReLU or max-pool decision lying within that
+# rounding flips. Measured (2026-11-27): 2.5e-4 on this AVX-512 CPU, 5.9e-5 with ATEN_CPU_CAPABILITY=avx2
+# ONEDNN_MAX_CPU_ISA=AVX2, alike for the three, whose 2-process runs ended bitwise equal to each other (2.3e-4 on the
+# machine of an earlier measurement). A real error moves the weights about 40 times as far: DDP's gradients summed,
+# not averaged (a comm hook), 1.3e-2; each rank stepping on its own gradient (no all-reduce, as if a shard were lost),
+# 9.8e-3 (both measured alike on both ISAs). The tolerance sits between.
+FLOAT32_TOLERANCE = 1e-3
+
+
+def epoch_checkpoint(path):
+    """A checkpoint of an epoch's end as distributed.py writes it: its epoch, step, lr schedule and momentum (by
+    parameter name: the names of a model with no buffers, GroupNorm's, in the optimizer's order)."""
+    checkpoint = load_state(path)
+    names = list(checkpoint["state_dict"])
+    assert len(names) == len(checkpoint["optimizer"]["param_groups"][0]["params"]), "a model with buffers"
+    return dict(epoch=checkpoint["epoch"], step=checkpoint["step"], scheduler=checkpoint["scheduler"],
+                momentum={names[i]: state["momentum_buffer"] for i, state in checkpoint["optimizer"]["state"].items()})
+
+
+def assert_epoch_ends_as_one_process(r, out, single_process_run, checkpoint):
+    """r, EQUIV trained in float64 on several processes into out, ended its epoch as one process did
+    (single_process_run): the final weights within EQUIV_TOLERANCE, the same training loss and evaluation (every val
+    image once: the count, top-1 and top-5 equal, the losses to float64's rounding), and the same checkpoint of the
+    epoch's end (`checkpoint`, as epoch_checkpoint gives it): its epoch, step, lr schedule, and momentum within
+    EQUIV_TOLERANCE."""
+    assert max_abs_diff(float64_weights(out), float64_weights(single_process_run)) <= EQUIV_TOLERANCE
+    records = [json.loads(line) for line in (single_process_run / "metrics.jsonl").read_text().splitlines()]
+    (one,), (many,) = [record for record in records if record["kind"] == "SUMMARY"], r.summaries
+    assert [many[k] for k in ("epoch", "val_count", "val_acc1", "val_acc5")] == \
+        [one[k] for k in ("epoch", "val_count", "val_acc1", "val_acc5")], (many, one)
+    assert many["train_loss"] == pytest.approx(one["train_loss"], rel=1e-12), (many, one)
+    assert many["val_loss"] == pytest.approx(one["val_loss"], rel=1e-12), (many, one)
+    reference = epoch_checkpoint(single_process_run / "checkpoint-epoch1.pth")
+    assert [checkpoint[k] for k in ("epoch", "step", "scheduler")] == \
+        [reference[k] for k in ("epoch", "step", "scheduler")], (checkpoint, reference)
+    assert max_abs_diff(checkpoint["momentum"], reference["momentum"]) <= EQUIV_TOLERANCE
+
+
+PROGRESS = re.compile(r"Epoch: \[(\d+)\]\[\s*(\d+)/")
+
+
+# ---- stop signals from outside, through each launcher ----
+# A cluster ending a job signals the launcher it started. These runs get SIGTERM from the test as rank 0 prints its
+# start report (every rank has joined the group, so handles it): it lands wherever the ranks then are, in the set-up's
+# collectives or a step, and the launcher passes it on. conftest.signal_at's hook, each process signalling itself in a
+# chosen step, stays for the tests that need that step (a damaged checkpoint of step 2, a profiled step 2).
+
+STOP_LINE = re.compile(r"=> stopped on a signal after step (\d+) of epoch (\d+), checkpoint written")
+
+
+def assert_stopped_from_outside(r, where):
+    """conftest.assert_stopped, for a run whose launcher got the signal itself. torchrun and torch.distributed.launch
+    then pass it on and end with a SignalException, exit 1, and list no worker's exit status; they SIGKILL the workers
+    still running 30 s after the signal, saying so (torch/distributed/elastic/multiprocessing/api.py, _close): none
+    was. DeepSpeed's per-node launcher passes it on, waits up to 30 s for each worker (killing it after) and exits 1,
+    naming none (deepspeed/launcher/launch.py, sigkill_handler), and the `deepspeed` command exits with its status.
+    horovodrun passes it on and SIGKILLs the workers still running 5 s later (horovod/runner/common/util/
+    safe_shell_exec.py, GRACEFUL_TERMINATION_TIME_S), which their exit can overrun after the checkpoint (the stop
+    line): a process importing torch took 1-2.6 s to exit here, loaded 7 deep. It reports the status of the workers
+    that ended before it, 143 or 137 (128 + SIGKILL), and exits 1. The trainer alone and mp.spawn's launcher exit 143 themselves."""
+    output = r.stdout + r.stderr
+    assert f"=> stopped on a signal after {where}" in r.stdout, output
+    if r.launcher in ("torchrun", "launch"):
+        assert r.returncode == 1 and "SignalException: Process" in r.stderr and "got signal: 15" in r.stderr, output
+        assert "Unable to shutdown process" not in r.stderr, output
+    elif r.launcher == "deepspeed":
+        assert r.returncode == 1 and "Main process received SIGTERM, exiting" in output, output
+    elif r.launcher == "horovodrun":
+        statuses = re.findall(r"Process \d+ exit with status code (-?\d+)\.", r.stdout)
+        # It lists the workers that ended before it did: one at least (seen: one of two, or both).
+        assert r.returncode == 1 and 1 <= len(statuses) <= r.nproc and set(statuses) <= {"143", "137"}, output
+    else:
+        assert_stopped(r, where)
+
+
+def stopped_from_outside(args, launcher, nproc, script, env=None, target=None, timeout=300):
+    """The trainer under `launcher`, sent SIGTERM from outside when rank 0 prints its start report's communication
+    line: to the launcher, or to target(launcher's pid). It must stop as every script does: all ranks after the same
+    step (rank 0's last progress line: -p 1 makes one at every step), a checkpoint of it, and the launcher's report of
+    workers that exited 143 (assert_stopped_from_outside). Returns the run, the epoch and the step it stopped after."""
+    command = launch_command(script, launcher, nproc) + [str(a) for a in args + ["-p", 1]]
+    with tempfile.TemporaryFile("w+") as stderr:  # a file: the launchers' logs would fill a pipe no one reads yet
+        proc = subprocess.Popen(command, cwd=REPO, env=environment(env), stdout=subprocess.PIPE, stderr=stderr,
+                                text=True)
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        try:
+            stdout, signalled = [], False
+            for line in proc.stdout:
+                stdout.append(line)
+                if not signalled and "=> communication:" in line:
+                    os.kill(target(proc.pid) if target else proc.pid, signal.SIGTERM)
+                    signalled = True
+            returncode = proc.wait()
+        finally:
+            timer.cancel()
+            proc.kill()
+        assert returncode != -signal.SIGKILL, f"killed after {timeout} s: {command}"
+        stderr.seek(0)
+        outputs = "".join(stdout), stderr.read()
+    if launcher == "horovodrun":  # as conftest.run: "[N]<stdout>:" before each line of rank N
+        outputs = (re.sub(r"(?m)^\[\d+\]<std(?:out|err)>:", "", s) for s in outputs)
+    r = Result.parse(returncode, *outputs, launcher=launcher, nproc=nproc)
+    stopped = STOP_LINE.search(r.stdout)
+    assert signalled and stopped, f"not stopped by the signal (sent: {signalled})\n{r.stdout}\n{r.stderr}"
+    step, epoch = int(stopped[1]), int(stopped[2])
+    assert PROGRESS.findall(r.stdout)[-1] == (str(epoch), str(step)), r.stdout
+    assert_stopped_from_outside(r, f"step {step} of epoch {epoch}")
+    return r, epoch, step
+
+
+def stopped_then_resumed(args, launcher, script="distributed.py", epoch=0, nproc=2, env=None, checkpoint=None,
+                         resume_launcher=None, target=None):
+    """stopped_from_outside in `epoch` (args hold --output-dir), then resumed with --resume auto (under resume_launcher,
+    by default the same): the stopped run wrote `checkpoint` (formatted with its epoch and step; default
+    distributed.py's), which the resumed run loaded. Returns the stopped run and the resumed one."""
+    out = Path(args[args.index("--output-dir") + 1])
+    stopped, stopped_epoch, step = stopped_from_outside(args, launcher, nproc, script, env, target)
+    checkpoint = (checkpoint or "checkpoint-epoch{epoch}-step{step}.pth").format(epoch=epoch, step=step)
+    assert stopped_epoch == epoch and (out / checkpoint).exists() and (out / f"{checkpoint}.sha256").is_file()
+    resumed = run(args + ["--resume", "auto"], resume_launcher or launcher, nproc, script, env=env).check()
+    assert f"{out / checkpoint}' (epoch {epoch}, step {step})" in resumed.stdout, resumed.stdout
+    return stopped, resumed

@@ -20,9 +20,9 @@ END = "# ---- end of shared helpers ----\n"
 # make it here too. In any order: the block's section banners decide where each one stands.
 SHARED_HELPERS = ["UsageError", "LocalError", "report", "log", "ArgumentParser", "number", "step_range",
                   "training_arguments", "seed_everything", "pick_device", "check_no_gpu_left_out", "check_slurm_step",
-                  "check_batch",
-                  "join_process_group", "check_output_dir", "claim_output_dir", "common_seed", "build_datasets",
-                  "FileTable", "open_image", "pick_decoder", "load_image", "SyntheticImages", "build_model", "build_loaders",
+                  "check_batch", "join_process_group", "check_output_dir", "claim_output_dir", "common_seed",
+                  "build_datasets", "FileTable", "open_image", "pick_decoder", "load_image", "SyntheticImages",
+                  "build_model", "build_loaders",
                   "SampleSeeded", "ResumableSampler", "shard_batches", "import_dali", "DaliLoader", "normalization",
                   "to_device", "val_batches", "lr_schedule", "Progress", "AverageMeter", "correct_counts", "diverged",
                   "check_finite", "rng_state", "to_cpu", "checkpoint_paths", "digest", "write_atomically", "seal",

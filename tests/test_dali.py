@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (EQUIV_TOLERANCE, FAST, FLOAT64, REPO, max_abs_diff, require_engine, run, signal_at)
+from conftest import EQUIV_TOLERANCE, FAST, FLOAT64, REPO, max_abs_diff, require_engine, run, stopped_then_resumed
 
 sys.path.insert(0, str(REPO))
 import distributed  # noqa: E402  (the script itself, for its loaders)
@@ -44,9 +44,9 @@ def test_dali_batches_are_the_default_loaders_up_to_resampling(tiny_data):
     for _ in range(2):
         passes.append([(images.clone(), labels) for images, labels in val_loader])  # clone: DALI reuses its buffers
         pipes.append(val_loader.pipe)
-    assert pipes[0] is pipes[1] and len(passes[0]) == len(passes[1]) == 1
-    for (images, labels), in passes:
-        assert torch.equal(images, passes[0][0][0]) and torch.equal(labels, batches["dali"][1][1])
+    (first,), (second,) = passes  # one batch each
+    assert pipes[0] is pipes[1] and torch.equal(second[0], first[0])
+    assert torch.equal(first[1], batches["dali"][1][1]) and torch.equal(second[1], batches["dali"][1][1])
     # train() takes exactly its steps' batches, by next(), never asking past the last: that ends the pass, and the
     # next epoch reuses the pipeline (a new one costs seconds, nvJPEG's start-up on GPUs), with that epoch's batches.
     labels, pipes = {}, []
@@ -81,23 +81,32 @@ def test_dali_shards_the_epoch_and_evaluates_every_image_once(tiny_data, tmp_pat
     (default,) = run(["--data", tiny_data, "-e", "--resume", tmp_path / "checkpoint.pth", "--amp-dtype", "float32"]
                      + FAST, "forked", script="apex_distributed.py").check().summaries
     dali = r.summaries[0]
-    # Pixels differ by at most a grey level (test above): the loss moved by 1.4e-4 (relative) when measured.
+    # Pixels differ by at most a grey level (test above): no prediction changed and the loss moved by 4.4e-5
+    # (relative) when measured (2026-11-27, resnet_tiny).
     assert default["val_count"] == dali["val_count"] == 37
-    assert dali["val_loss"] == pytest.approx(default["val_loss"], rel=1e-2)
-    for key in ("val_acc1", "val_acc5"):
-        assert abs(dali[key] - default[key]) <= 100 / 37 + 1e-9, "more than one image's prediction changed"
+    assert (dali["val_acc1"], dali["val_acc5"]) == (default["val_acc1"], default["val_acc5"])
+    assert dali["val_loss"] == pytest.approx(default["val_loss"], rel=2e-4)
+
+
+def test_dali_evaluation_is_exact_at_any_world_size(tiny_data, checkpoint):
+    """-e with DALI on the shared checkpoint at 1, 2 and 3 processes: the same loss, top-1 and top-5, bitwise, as
+    with the default loader: every val image once, in fixed batches of 8 dealt to the ranks, sums reduced."""
+    results = []
+    for nproc in (1, 2, 3):
+        (s,) = run(["--data", tiny_data, "-e", "--resume", checkpoint, "--val-batch-size", 8, "--data-backend", "dali"]
+                   + FAST, "forked" if nproc == 1 else "torchrun", nproc).check().summaries
+        results.append((s["val_count"], s["val_loss"], s["val_acc1"], s["val_acc5"]))
+    assert results[0][0] == 37 and results[1] == results[0] and results[2] == results[0], results
 
 
 def test_dali_resumed_mid_epoch_on_2_processes_equals_1_process(tiny_data, tmp_path):
-    """In float64 with GroupNorm (conftest.FLOAT64 says why): 2 processes stopped by SIGTERM after step 2
-    of 3 and resumed train the weights 1 process trains uninterrupted, as with the default loader."""
+    """In float64 with GroupNorm (conftest.FLOAT64 says why): 2 processes stopped after a step by a SIGTERM to
+    torchrun from outside, landing while DALI's pipelines are built or run, and resumed train the weights 1 process
+    trains uninterrupted, as with the default loader."""
     args = ["--data", tiny_data, "--data-backend", "dali", "-b", 32, "--epochs", 1, "--norm", "group", "--lr", 0.1,
             "--warmup-epochs", 0.5, "--min-crop-scale", 0.35] + FAST
     run(args + ["--output-dir", tmp_path / "one"], "forked", env=FLOAT64).check()
-    r = run(args + ["--output-dir", tmp_path / "two", "-p", 1], "torchrun", 2, env={**FLOAT64, **signal_at(2)})
-    assert r.returncode != 0 and "=> stopped on a signal after step 2 of epoch 0" in r.stdout, r.stdout + r.stderr
-    r = run(args + ["--output-dir", tmp_path / "two", "--resume", "auto"], "torchrun", 2, env=FLOAT64).check()
-    assert "(epoch 0, step 2)" in r.stdout and "Epoch: [0][3/3]" in r.stdout, r.stdout
+    stopped_then_resumed(args + ["--output-dir", tmp_path / "two"], "torchrun", env=FLOAT64)
     one, two = (torch.load(tmp_path / d / "checkpoint.pth", weights_only=True)["state_dict"] for d in ("one", "two"))
     assert all(v.dtype == torch.float64 for v in one.values() if v.is_floating_point()), "not a float64 run"
     assert max_abs_diff(one, two) <= EQUIV_TOLERANCE

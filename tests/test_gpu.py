@@ -293,12 +293,21 @@ def one_gpu_weights(tmp_path_factory):
                                     pytest.param("horovod", marks=HOROVOD_NCCL)])
 def test_two_gpus_train_as_one(method, tmp_path, one_gpu_weights):
     """NCCL's all-reduce (DDP, Horovod built with NCCL) and DataParallel's gather: the same weights. On one
-    GPU, DDP's two processes all-reduce CUDA tensors over gloo."""
+    GPU, DDP's two processes all-reduce CUDA tensors over gloo. DataParallel runs here alone: on the CPU
+    dataparallel.py builds no nn.DataParallel (its CPU tests run its other lines)."""
     if method == "horovod":
         check_engine("horovod")
     script, launcher, _ = METHODS[method]
-    gpu_run(["--output-dir", tmp_path] + EQUIV, script, launcher, env=FLOAT64).check()
+    profile = ["--profile", "2:2"] if method == "dp" else []
+    gpu_run(["--output-dir", tmp_path] + EQUIV + profile, script, launcher, env=FLOAT64).check()
     assert max_abs_diff(float64_weights(tmp_path), one_gpu_weights) <= EQUIV_TOLERANCE
+    if method == "dp":
+        # nn.DataParallel ran, over every GPU: its forward is a record_function("DataParallel.forward") in the
+        # profiled step (torch/nn/parallel/data_parallel.py), and the checkpoint holds an RNG state for each GPU
+        # of dataparallel.py's `gpus`, the device_ids it gave DataParallel.
+        events = json.loads((tmp_path / "trace-rank0.json").read_text())["traceEvents"]
+        assert any(e.get("name") == "DataParallel.forward" for e in events), "no nn.DataParallel forward"
+        assert len(load_state(tmp_path / "checkpoint.pth")["rng"][0]["devices"]) == GPUS
 
 
 @pytest.mark.parametrize("script,launcher,flags,low,high", [
