@@ -425,6 +425,45 @@ time.sleep(600)
 """
 
 
+def test_imagenet_scale_times_and_weighs_each_script_on_a_linked_tree(tmp_path):
+    """tools/make_imagenet_like.py --distinct: every file past the first N of a split is a hard link to one of them
+    (no inode of its own). benchmarks/imagenet_scale.py gives every script the same flags, times its line at the step,
+    sums its processes' PSS (a forked worker's 64 MB counts), kills what it started, and says a missing peer loudly."""
+    tree = tmp_path / "tree"
+    subprocess.run([PYTHON, REPO / "tools" / "make_imagenet_like.py", "--out", tree, "--classes", "3", "--train-count",
+                    "12", "--val-count", "5", "--distinct", "2", "-j", "1"], check=True, capture_output=True)
+    for split, count in (("train", 12), ("val", 5)):
+        files = sorted((tree / split).glob("*/*.JPEG"))
+        assert len(files) == count and len({f.stat().st_ino for f in files}) == 2
+        assert sorted(p.name for p in (tree / split).iterdir()) == ["class00", "class01", "class02"]
+        assert (tree / split / "class02" / f"{split}_000002.JPEG").samefile(tree / split / "class00" /
+                                                                             f"{split}_000000.JPEG")
+    for name in ("ours.py", "main.py"):
+        (tmp_path / name).write_text(FAKE_TRAINER)
+    command = [PYTHON, REPO / "benchmarks" / "imagenet_scale.py", "--data", tree, "--ours", tmp_path / "ours.py",
+               "--main-py", tmp_path / "main.py", "-j", "1", "--rounds", "1", "--step", "3", "--interval", "0.05",
+               "--run-timeout", "60", "--output-dir", tmp_path / "out"]
+    r = subprocess.run(command, capture_output=True, text=True, timeout=180, env=dict(os.environ, FAKE_LOG=tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    runs = json.loads((tmp_path / "out" / "imagenet_scale.json").read_text())["runs"]
+    assert [(run["script"], run["step"], run["first_line"][1]) for run in runs] == [("ours.py", 3, 1),
+                                                                                     ("main.py", 3, 1)]
+    imagenet_scale = script_module("benchmarks/imagenet_scale.py")
+    for run in runs:
+        assert 1 <= run["seconds"] < 60 and run["exit"] == "stopped at the line"
+        assert run["peak_mb"] >= 64 and re.search(r"worker 1 x (6\d|7\d) MB", run["at_line"]), run
+        assert not imagenet_scale.alive(int((tmp_path / (run["script"] + ".pid")).read_text()))  # killed with its run
+    flags = ["-a", "resnet18", "-b", "32", "-j", "1", "-p", "3"]
+    assert json.loads((tmp_path / "main.py.json").read_text()) == [str(tree), *flags]
+    assert json.loads((tmp_path / "ours.py.json").read_text())[:len(flags) + 2] == ["--data", str(tree), *flags]
+    assert "| 1 | " in (tmp_path / "out" / "imagenet_scale.md").read_text()
+    command[command.index("--main-py") + 1] = tmp_path / "absent.py"
+    r = subprocess.run(command, capture_output=True, text=True, timeout=180, env=dict(os.environ, FAKE_LOG=tmp_path))
+    assert r.returncode == 1 and "WARNING: **MISSING PEER**: pytorch/examples' main.py not found" in r.stderr
+    assert [run["script"] for run in json.loads((tmp_path / "out" / "imagenet_scale.json").read_text())["runs"]] == [
+        "ours.py"]
+
+
 def test_gpu_check_runs_offline_on_a_cpu_machine_and_says_what_it_skipped(tmp_path):
     """The offline check (the default) on a machine without GPUs: it installs nothing and uses no network
     (a proxy that refuses every connection), writes both reports, one line per absent engine, and every GPU
