@@ -91,13 +91,6 @@ def setup_distributed(args):
     return RANK, world_size, device
 
 
-def require_bf16(wanted, device, error):
-    """A bf16 flag on a GPU that cannot run bf16 natively is one error line. including_emulation=False:
-    older GPUs run bf16 only emulated (the default True says they support it)."""
-    if wanted and device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
-        raise UsageError(error)
-
-
 def launcher_name(args):
     return ("torch.distributed.launch" if args.local_rank is not None
             else "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "none")
@@ -421,6 +414,14 @@ def pick_device(args, local_rank, local_world_size, can_share=True):
     return torch.device(accelerator.type, local_rank % gpus)
 
 
+def require_bf16(wanted, device, error):
+    """A bf16 flag on a GPU that cannot run bf16 natively is one error line. including_emulation=False:
+    older GPUs run bf16 only emulated (the default True says they support it)."""
+    if wanted and device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise UsageError(error)
+
+
+
 def check_no_gpu_left_out(error):
     """Torch sees no GPU: GPUs that nvidia-smi lists are an error, not a silent CPU run (a driver too old for CUDA)."""
     if os.environ.get("CUDA_VISIBLE_DEVICES", "all").strip() in ("", "-1") or not shutil.which("nvidia-smi"):
@@ -537,6 +538,8 @@ def build_datasets(args):
         if args.dummy:
             raise UsageError("--data-backend dali reads image files: pass --data DIR, not --dummy")
         import_dali()  # here, before the rendezvous: without DALI every rank fails at once
+    elif args.workers:
+        start_fork_server()  # now: its import of torch overlaps the listing of the tree
     if args.dummy:
         val_count = max(1, args.dummy_samples // 10)
         return (SyntheticImages(args.dummy_samples, args.image_size, 1000),
@@ -548,15 +551,6 @@ def build_datasets(args):
         if not os.path.isdir(top):
             raise UsageError(f"{top} is not a directory: --data must hold train/ and val/ in ImageFolder layout "
                              "(python tools/make_demo_data.py writes a demo set)")
-        # ImageFolder follows symlinks to directories: one back to a directory it is in would add every
-        # image below that again, to its class, until the path grows too long for the OS.
-        for path, dirs, _ in os.walk(top, followlinks=True):
-            parts = os.path.relpath(path, top).split(os.sep)
-            above = {os.path.realpath(os.path.join(top, *parts[:i])) for i in range(len(parts) + 1)}
-            for name in dirs:
-                if os.path.realpath(os.path.join(path, name)) in above:
-                    raise UsageError(f"symlink loop in --data: '{os.path.join(path, name)}' leads back to "
-                                     f"'{os.path.realpath(os.path.join(path, name))}': remove or replace the link")
     # transforms v2, on uint8 tensors (or PIL's images) into uint8 CHW: to_device normalises on the device.
     train_tf = transforms.Compose([transforms.RandomResizedCrop(args.image_size, scale=(args.min_crop_scale, 1.0)),
                                    transforms.RandomHorizontalFlip(), transforms.PILToTensor()])
@@ -565,30 +559,97 @@ def build_datasets(args):
     try:
         args.decoder = pick_decoder(args.decoder)
         loader = functools.partial(load_image, decoder=args.decoder)
-        train = datasets.ImageFolder(os.path.join(args.data, "train"), train_tf, loader=loader)
-        val = datasets.ImageFolder(os.path.join(args.data, "val"), val_tf, loader=loader)
+        train = ListedFolder(os.path.join(args.data, "train"), train_tf, loader)
+        val = ListedFolder(os.path.join(args.data, "val"), val_tf, loader)
     except FileNotFoundError as e:  # no class folders, or a class folder without images
         raise UsageError(f"bad dataset in {args.data}: {e}") from None
     if val.classes != train.classes:
         missing = sorted(set(train.classes) ^ set(val.classes))
         raise UsageError(f"val classes differ from train classes in {args.data} (e.g. {missing[:5]}): "
                          "both must hold the same class folders")
-    for folder in (train, val):
-        folder.samples = folder.imgs = FileTable(folder.samples)
-        folder.targets = folder.samples.labels
     return train, val, len(train.classes)
 
 
-class FileTable:
-    """ImageFolder's (path, class) list in two tensors. A spawned loader worker reads the dataset sent to it only
-    after importing torch (seconds), and the sender waits once it fills the pipe (64 KiB): ImageNet's 1.28 M paths
-    (100 MB pickled) started the workers one after another, minutes on a GPU node. Tensors go by shared memory."""
+class ListedFolder(datasets.ImageFolder):
+    """torchvision's ImageFolder (its classes, files, their order, __getitem__) from one walk of the tree, which also
+    refuses symlink loops, into a FileTable. With ImageFolder's own __init__ (a list of (path, class) tuples, copied
+    into the FileTable) and the loop check's walk before it, ImageNet's 1.33 M files took 3.7 s of CPU here, against
+    1.7 (main.py's ImageFolder alone: 2.1)."""
 
-    def __init__(self, samples):
-        paths = [os.fsencode(path) for path, _ in samples]
-        self.ends = torch.tensor([0, *itertools.accumulate(map(len, paths))])
+    def __init__(self, root, transform, loader):
+        datasets.VisionDataset.__init__(self, root, transform=transform)
+        self.loader, self.extensions = loader, datasets.folder.IMG_EXTENSIONS
+        folders = {}  # class: its (folder, files), the steps of ImageFolder's os.walk(class folder)
+        for path, dirs, files in os.walk(root, followlinks=True):
+            parts = os.path.relpath(path, root).split(os.sep)
+            # ImageFolder follows symlinks to directories: one back to a directory it is in would add every
+            # image below that again, to its class, until the path grows too long for the OS.
+            above = {os.path.realpath(os.path.join(root, *parts[:i])) for i in range(len(parts) + 1)}
+            for name in dirs:
+                if os.path.realpath(os.path.join(path, name)) in above:
+                    raise UsageError(f"symlink loop in --data: '{os.path.join(path, name)}' leads back to "
+                                     f"'{os.path.realpath(os.path.join(path, name))}': remove or replace the link")
+            if path != root:
+                folders.setdefault(parts[0], []).append((path, files))
+        self.classes, self.class_to_idx = self.find_classes(root)
+        paths, counts = [], []
+        for name in self.classes:
+            count = len(paths)
+            for folder, files in sorted(folders.get(name, [])):
+                prefix = os.path.join(folder, "")  # + a name: os.path.join(folder, name), 6x faster
+                paths += [prefix + file for file in sorted(files) if file.lower().endswith(self.extensions)]
+            counts.append(len(paths) - count)
+        if not all(counts):  # ImageFolder's words
+            raise FileNotFoundError(f"Found no valid file for the classes "
+                                    f"{', '.join(name for name, count in zip(self.classes, counts) if not count)}. "
+                                    f"Supported extensions are: {', '.join(self.extensions)}")
+        self.samples = self.imgs = FileTable(paths, numpy.repeat(numpy.arange(len(counts)), counts))
+        self.targets = self.samples.labels
+
+
+def start_fork_server():
+    """The loader workers' parent: multiprocessing's fork server, a fresh interpreter that imports torch once and forks
+    each worker, which shares those pages: 25 MB of its own (a spawned worker imported torch itself: 440 MB PSS and
+    seconds of CPU each). Not this process: its torch threads may hold locks a fork copies held for ever (CPython
+    gh-112275: a hang at an epoch's start); the server has one thread. It ends with this process (its pipe closes).
+    Launchers signal the whole process group (Slurm every process of the step), and a stop signal would end it, and
+    its workers with it, before this process had checkpointed: it starts with them blocked, as its workers then are."""
+    from multiprocessing import forkserver, resource_tracker
+    # What a worker imports first, 90% of its 440 MB. The default, '__main__', imports nothing before CPython's fix of
+    # gh-126631 (2025), and a module next to this file is not found by the server before 3.12.8 (gh-117378).
+    forkserver.set_forkserver_preload(["torch", "torchvision"])
+    resource_tracker.ensure_running()  # first: starting it unblocks SIGTERM (CPython's guard for that helper)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})  # a mask survives exec
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a signal that came meanwhile is delivered now
+
+
+def init_worker(worker_id):
+    """worker_init_fn: the stop signals ignored (ignore_stop_signals), and the fork server's pipe left to the trainer.
+    The server lives while any process holds that pipe, and every worker it forks is given it; torch's watchdog ends
+    a worker once its parent, the server, is gone. So a SIGKILLed trainer's (the OOM killer's) server and workers
+    ran on for ever, holding its memory, /dev/shm files and stdout; now the server ends, and its workers 5 s later."""
+    from multiprocessing import forkserver
+    ignore_stop_signals(worker_id)
+    server = forkserver._forkserver  # multiprocessing has no public way to this pipe
+    if server._forkserver_alive_fd is not None:  # None in a worker not forked by a fork server
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+
+
+class FileTable:
+    """ImageFolder's (path, class) list in two tensors. A loader worker reads the dataset sent to it only once it has
+    started (spawned: after importing torch, seconds), and the sender waits once it fills the pipe (64 KiB): ImageNet's
+    1.28 M paths (100 MB pickled) started spawned workers one after another, minutes on a GPU node. Tensors go by
+    shared memory."""
+
+    def __init__(self, paths, labels):
+        paths = [os.fsencode(path) for path in paths]
+        self.ends = torch.from_numpy(numpy.cumsum([0, *map(len, paths)]))
         self.chars = torch.frombuffer(bytearray(b"".join(paths)), dtype=torch.uint8)
-        self.labels = torch.tensor([label for _, label in samples])
+        self.labels = torch.as_tensor(labels)
 
     def __len__(self):
         return len(self.labels)
@@ -693,18 +754,17 @@ def build_loaders(args, train_set, val_set, world_size, rank, device, micro_batc
         train_batches = torch.utils.data.BatchSampler(train_sampler, max(1, micro_batch), drop_last=True)
         train_loader = DaliLoader(train_set, train_batches, max(1, micro_batch), args, device)
         return train_sampler, train_loader, DaliLoader(val_set, val_batches, args.val_batch_size, args, device)
-    # Workers started by spawn (fork + exec), once per run (persistent), never forked from this process, whose torch
-    # threads may hold locks a fork copies held for ever (CPython gh-112275: a hang at an epoch's start); not by
-    # forkserver, which a launcher's SIGTERM to the process group ends, with its workers, before the checkpoint.
-    loader_args = dict(num_workers=args.workers, pin_memory=device.type != "cpu", worker_init_fn=ignore_stop_signals,
-                       **({"multiprocessing_context": "spawn", "persistent_workers": True} if args.workers else {}))
+    # Workers forked by start_fork_server's process (never by this one), once per run (persistent).
+    loader_args = dict(num_workers=args.workers, pin_memory=device.type != "cpu", worker_init_fn=init_worker,
+                       **(dict(multiprocessing_context="forkserver", persistent_workers=True) if args.workers else {}))
     train_sampler.epoch, val_pending = None, []  # nothing to load yet
     train_loader = torch.utils.data.DataLoader(train_set, max(1, micro_batch), sampler=train_sampler, drop_last=True,
                                                generator=torch.Generator().manual_seed(args.seed + rank), **loader_args)
     val_loader = torch.utils.data.DataLoader(val_set, batch_sampler=val_pending, **loader_args)
     if args.workers:
-        # Start both loaders' workers now, not at their first batch: importing torch (seconds) then overlaps the
-        # rest of the set-up. The persistent workers stay; with nothing to load yet they load nothing to drop.
+        # Start both loaders' workers now, not at their first batch: their start (a fork, then this script's imports
+        # past torch's) overlaps the rest of the set-up. The persistent workers stay; with nothing to load yet they
+        # load nothing to drop.
         for loader in (val_loader,) if args.evaluate else (train_loader, val_loader):
             iter(loader)
     val_pending += val_batches
@@ -1443,6 +1503,18 @@ def stop_on_signals():
     # would wait for ever: kill them first. A finalizer: a process mp.spawn started runs no atexit.
     multiprocessing.util.Finalize(None, lambda: [child.kill() for child in multiprocessing.active_children()],
                                   exitpriority=0)
+
+
+def supervise(processes):
+    """mp.spawn(join=False)'s wait: stop signals to the launcher (Slurm's may reach it alone) go on to each process."""
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, lambda received, frame: [os.kill(pid, received) for pid in processes.pids()])
+    try:
+        while not processes.join(grace_period=10):  # a bad flag fails them all: 10 s for rank 0 to say why
+            pass
+    except torch.multiprocessing.ProcessExitedException as e:  # a failed one printed its error; a killed one not
+        sys.exit(e.exit_code if e.exit_code > 0 else f"error: {e}")
+
 
 
 def ignore_stop_signals(worker_id):

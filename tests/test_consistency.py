@@ -19,16 +19,17 @@ END = "# ---- end of shared helpers ----\n"
 # What the block holds. Moving a helper in or out of it is a decision for every script at once:
 # make it here too. In any order: the block's section banners decide where each one stands.
 SHARED_HELPERS = ["UsageError", "LocalError", "report", "log", "ArgumentParser", "number", "step_range",
-                  "training_arguments", "seed_everything", "pick_device", "check_no_gpu_left_out", "check_slurm_step",
-                  "check_batch", "join_process_group", "check_output_dir", "claim_output_dir", "common_seed",
-                  "build_datasets", "FileTable", "open_image", "pick_decoder", "load_image", "SyntheticImages",
-                  "build_model", "build_loaders",
+                  "training_arguments", "seed_everything", "pick_device", "require_bf16", "check_no_gpu_left_out",
+                  "check_slurm_step", "check_batch", "join_process_group", "check_output_dir", "claim_output_dir",
+                  "common_seed", "build_datasets", "ListedFolder", "start_fork_server", "init_worker", "FileTable",
+                  "open_image", "pick_decoder", "load_image", "SyntheticImages", "build_model", "build_loaders",
                   "SampleSeeded", "ResumableSampler", "shard_batches", "import_dali", "DaliLoader", "normalization",
-                  "to_device", "val_batches", "lr_schedule", "Progress", "AverageMeter", "correct_counts", "diverged",
-                  "check_finite", "rng_state", "to_cpu", "checkpoint_paths", "digest", "write_atomically", "seal",
-                  "intact", "save_checkpoint", "choose_checkpoint", "load_checkpoint", "resume_training",
-                  "report_start", "summary", "report_epoch", "open_metrics", "write_metrics", "start_profile",
-                  "Stopped", "run", "stalled_ranks", "stop_on_signals", "ignore_stop_signals", "state_digest"]
+                  "to_device", "val_batches", "lr_schedule", "Progress", "AverageMeter", "correct_counts",
+                  "diverged", "check_finite", "rng_state", "to_cpu", "checkpoint_paths", "digest",
+                  "write_atomically", "seal", "intact", "save_checkpoint", "choose_checkpoint", "load_checkpoint",
+                  "resume_training", "report_start", "summary", "report_epoch", "open_metrics", "write_metrics",
+                  "start_profile", "Stopped", "run", "stalled_ranks", "stop_on_signals", "supervise",
+                  "ignore_stop_signals", "state_digest"]
 # The block's sections, each opened by a one-line banner `# ---- NAME: what it holds ----`, in the order
 # main_worker meets them: a reader looking for a helper finds its section from the banners alone.
 SECTIONS = ["flags and errors", "set-up", "data", "the training loop's bookkeeping", "checkpoints",
@@ -103,18 +104,6 @@ def test_method_part_differs_only_in_the_method(script):
     reference, own = functions(REPO / REFERENCE), functions(REPO / script)
     differ = [name for name in SAME_AS_REFERENCE[script] if own.get(name) != reference[name]]
     assert not differ, f"{script}: {', '.join(differ)} differ(s) from {REFERENCE}'s"
-
-
-# Method-part helpers of a few methods, not in the shared block (every line there is paid in all eight scripts):
-# each script that needs one keeps the same copy.
-SAME_IN = {"supervise": ["multiprocessing_distributed.py", "distributed_slurm_main.py"],  # mp.spawn's launchers
-           "require_bf16": ["apex_distributed.py", "fsdp_distributed.py", "deepspeed_distributed.py"]}  # bf16 flags
-
-
-@pytest.mark.parametrize("helper", SAME_IN)
-def test_helpers_of_a_few_methods_are_the_same_in_each(helper):
-    copies = {script: functions(REPO / script).get(helper) for script in SAME_IN[helper]}
-    assert None not in copies.values() and len(set(copies.values())) == 1, f"{helper} differs: {copies}"
 
 
 # ---- the check itself fails when it should ----

@@ -1,5 +1,6 @@
 """distributed.py under real launchers: launch, distributed math, exact eval, resume, bad input."""
 import importlib.util
+import contextlib
 import json
 import math
 import os
@@ -10,6 +11,8 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy
@@ -23,7 +26,7 @@ from conftest import (EQUIV, EQUIV_TOLERANCE, FAST, FLOAT64, PROGRESS, PYTHON, R
                       assert_epoch_ends_as_one_process, assert_same_checkpoints, bad_inputs, environment,
                       epoch_checkpoint, fault_at, float64_weights, initial_weights, launch_command, load_state,
                       make_data, max_abs_diff, png_header, require_engine, resume_mid_epoch, run, script_module,
-                      stall_a_rank, stopped_then_resumed)
+                      stall_a_rank, STOP_LINE, stopped_then_resumed)
 
 sys.path.insert(0, str(REPO))
 import distributed  # noqa: E402  (the script itself, for its pure helpers)
@@ -408,9 +411,78 @@ def test_spawned_workers_are_sent_a_small_dataset_at_any_size(tmp_path):
     assert sizes[1] < 65536 and abs(sizes[1] - sizes[0]) < 64, sizes
 
 
+def test_listed_folder_lists_what_image_folder_lists(tmp_path):
+    """build_datasets' one walk of the tree (ListedFolder) gives ImageFolder's classes, files, order and labels, on a
+    tree with nested folders, a class folder that is a symlink, a link into another class, other extensions, a file
+    outside any class and a name that is not UTF-8; and ImageFolder's words for a class without images."""
+    root = tmp_path / "train"
+    names = ["x.JPEG", "y.jpg", "z.PNG", "notes.txt", ".hidden.jpg", "w.JpEg", "10.jpg", "9.jpg"]
+    files = [root / c / n for c in ("b", "a", "c10", "c2", "Z") for n in names] + [
+        root / "a" / "sub" / "deeper" / "q.jpg", root / "a" / "sub" / "r.webp", root / "a" / "sub-1" / "t.jpg",
+        root / "c2" / "sub" / "u.jpeg", root / "top-level.jpg", tmp_path / "elsewhere" / "inner" / "e.jpg",
+        Path(os.fsdecode(bytes(root / "b") + b"/caf\xe9.jpg"))]
+    for path in files:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    (root / "linked").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (root / "b" / "to-c2").symlink_to("../c2", target_is_directory=True)
+    expected, listed = torchvision.datasets.ImageFolder(str(root)), distributed.ListedFolder(str(root), None, None)
+    assert listed.classes == expected.classes and listed.class_to_idx == expected.class_to_idx
+    assert [listed.samples[i] for i in range(len(listed))] == expected.samples and len(expected) == 49
+    assert listed.targets.tolist() == expected.targets and listed.imgs is listed.samples
+    (root / "empty" / "sub").mkdir(parents=True)
+    (root / "empty" / "sub" / "readme.txt").touch()
+    with pytest.raises(FileNotFoundError) as expected_error:
+        torchvision.datasets.ImageFolder(str(root))
+    with pytest.raises(FileNotFoundError, match=re.escape(str(expected_error.value))):
+        distributed.ListedFolder(str(root), None, None)
+
+
+def test_a_stopped_or_killed_trainer_leaves_no_loader_process(tiny_data, tmp_path):
+    """-j 2: the loader workers' fork server and the workers it forks are in the trainer's process group and session.
+    A launcher's SIGTERM to the group stops training after a checkpoint (exit 143): they ignore it. And they end with
+    the trainer, also with a SIGKILLed one (the OOM killer): nothing of its session is left, and its stdout ends."""
+    def running(pid):  # neither gone nor a zombie
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        return False
+
+    for signum, returncode in ((signal.SIGTERM, 143), (signal.SIGKILL, -signal.SIGKILL)):
+        args = ["--data", tiny_data, "-b", 16, "--epochs", 2, "-j", 2, "-p", 1, "--image-size", 32, "--seed", 0,
+                "--output-dir", tmp_path / signum.name]
+        proc = subprocess.Popen(launch_command("distributed.py", "python", 1) + [str(a) for a in args], cwd=REPO,
+                                env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        lines, session = [], []
+        reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+        try:
+            for line in proc.stdout:
+                lines.append(line)
+                if PROGRESS.match(line):
+                    break
+            session = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+                       if running(pid) and os.getsid(pid) == proc.pid]
+            commands = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in session]
+            assert sum(b"multiprocessing.forkserver import main" in c for c in commands) == 5, commands  # server, 4
+            os.killpg(proc.pid, signum) if signum == signal.SIGTERM else proc.kill()
+            reader.start()
+            reader.join(timeout=60)  # the stdout's end: no process of the session holds it any longer
+            assert proc.wait(timeout=60) == returncode and not reader.is_alive(), "".join(lines)
+            deadline = time.monotonic() + 30  # torch's watchdog checks the worker's parent every 5 s
+            while any(map(running, session)) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert not any(map(running, session)), [pid for pid in session if running(pid)]
+        finally:
+            for pid in [proc.pid] + [pid for pid in session if running(pid)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        if signum == signal.SIGTERM:
+            assert any(STOP_LINE.match(line) for line in lines) and (tmp_path / "SIGTERM" / "checkpoint.pth").exists()
+
+
 def test_seed_is_deterministic_with_loader_workers(tiny_data, tmp_path):
     """2 epochs with 2 loader workers train the weights no workers do (the same crops and flips, the
-    second epoch's too). The workers are spawned (a fresh interpreter, never a fork of the threaded
+    second epoch's too). The workers are forked by multiprocessing's fork server (never a fork of the threaded
     trainer: CPython gh-112275), once per run: 2 for training and 2 for evaluation, not 4 an epoch."""
     workers = tmp_path / "workers"
     workers.mkdir()
@@ -424,7 +496,7 @@ def test_seed_is_deterministic_with_loader_workers(tiny_data, tmp_path):
     without_workers = digest(7, "b", 0)
     assert digest(7, "a", 2) == without_workers
     started = [path.read_text() for path in workers.iterdir()]
-    assert len(started) == 4 and all("from multiprocessing.spawn import spawn_main" in s for s in started), started
+    assert len(started) == 4 and all("from multiprocessing.forkserver import main" in s for s in started), started
     assert digest(8, "c", 0) != without_workers, "a different seed must give different weights"
 
 
