@@ -11,8 +11,8 @@ It takes the trainers' workload flags (the others are ignored) and prints, like 
 line per epoch with the epoch's training images/s and mean loss (rank 0's), so statistics.sh can divide
 each method's throughput by this loop's on the same model, synthetic data, world size and global batch,
 and the GPU check can see that it trains. A loss that is not finite ends it with an error, as it ends
-the trainers. Its loader is theirs (workers spawned once per run, persistent, pinned memory), and so is
-its optimizer, zeroed momentum included.
+the trainers. Its loader is theirs (workers forked by their fork server once per run, persistent, pinned
+memory), and so is its optimizer, zeroed momentum included.
 """
 import argparse
 import json
@@ -55,13 +55,18 @@ def main():
 
     # The synthetic uint8 images the trainers' --dummy reads, normalised on the device as theirs are.
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from distributed import SyntheticImages, to_device
+    from distributed import SyntheticImages, init_worker, start_fork_server, to_device
     data = SyntheticImages(args.dummy_samples, args.image_size, 1000)
     sampler = torch.utils.data.distributed.DistributedSampler(data, drop_last=True)
-    # The trainers' loader workers: spawned, once per run (persistent), so no epoch but the first waits for them.
-    workers = {"multiprocessing_context": "spawn", "persistent_workers": True} if args.workers else {}
+    # The trainers' loader workers: forked by multiprocessing's fork server (torch and torchvision preloaded), once
+    # per run (persistent), so no epoch but the first waits for them; init_worker: they end with this process, even
+    # SIGKILLed. The server's blocked stop signals matter only to the trainers, which checkpoint on them; not here.
+    if args.workers:
+        start_fork_server()
+    workers = {"multiprocessing_context": "forkserver", "persistent_workers": True} if args.workers else {}
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size // world, sampler=sampler, drop_last=True,
-                                         num_workers=args.workers, pin_memory=device.type != "cpu", **workers)
+                                         num_workers=args.workers, pin_memory=device.type != "cpu",
+                                         worker_init_fn=init_worker, **workers)
     # timm:NAME: timm's model of that name (where timm is installed), as a reference row.
     model = (__import__("timm").create_model(args.arch[5:], num_classes=1000) if args.arch.startswith("timm:")
              else models.get_model(args.arch, num_classes=1000)).to(device)

@@ -352,12 +352,13 @@ def main():
              "suite": {"status": "not run (--skip-tests)" if args.skip_tests else "waiting", "rows": []},
              "benchmark": {"status": "not run (--skip-bench)" if args.skip_bench else "waiting", "rows": [],
                            "workload": f"ResNet-50, 224 px, synthetic uint8 images made by {args.workers} loader "
-                                       f"workers (spawned once, persistent, in every row), {args.batch} images per "
-                                       f"step, {args.steps} steps per epoch, 1 process on 1 GPU: images/s of the 2nd "
-                                       "of 2 epochs (the 1st is the warm-up), training only. Each ratio's yardstick "
-                                       "is the bare loop of the same precision and memory format; the --compile "
-                                       "row's is not compiled, so its ratio includes torch.compile's gain. Loss: "
-                                       "the mean of the 1st and of the last epoch (rank 0's)."}}
+                                       f"workers (forked once by a fork server, persistent, in every row), "
+                                       f"{args.batch} images per step, {args.steps} steps per epoch, 1 process on 1 "
+                                       "GPU: images/s of the 2nd of 2 epochs (the 1st is the warm-up), training "
+                                       "only. Each ratio's yardstick is the bare loop of the same precision and "
+                                       "memory format; the --compile row's is not compiled, so its ratio includes "
+                                       "torch.compile's gain. Loss: the mean of the 1st and of the last epoch (rank "
+                                       "0's)."}}
     for note in state["notes"]:
         print(note, flush=True)
     render(state, args.out)

@@ -155,7 +155,7 @@ def run_forked(command, env, timeout):
 def run(args, launcher="python", nproc=1, script="distributed.py", env=None, timeout=300, preexec_fn=None):
     """Run a trainer to completion and parse its machine-readable lines. launcher "forked": one process, as
     "python", forked from zygote() (test_a_forked_run_ends_as_a_python_run; test_launchers starts a plain python,
-    and so do runs with loader workers: a spawned worker starts a Python of its own)."""
+    and so do runs with loader workers: their fork server is a Python of its own)."""
     if launcher == "forked":
         proc = run_forked(launch_command(script, "python", 1) + [str(a) for a in args], environment(env), timeout)
         return Result.parse(proc.returncode, proc.stdout, proc.stderr, launcher=launcher)

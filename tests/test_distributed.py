@@ -391,9 +391,10 @@ def test_resumable_sampler_skips_the_first_global_batches_at_any_world_size():
 
 
 def test_spawned_workers_are_sent_a_small_dataset_at_any_size(tmp_path):
-    """A spawned loader worker reads its dataset from a pipe only after importing torch: over the pipe's 64 KiB,
-    the sender waits for that, worker after worker (on an H100 node, 14 workers took 100 s before the first batch).
-    distributed.FileTable keeps the file list in tensors, which go by shared memory: the pickle does not grow."""
+    """A loader worker reads its dataset from a pipe once it has started (spawned, as they were: after importing
+    torch); over the pipe's 64 KiB the sender waits for that, worker after worker (on an H100 node, 14 spawned workers
+    took 100 s before the first batch). distributed.FileTable keeps the file list in tensors, which go by shared
+    memory: the pickle does not grow."""
     from multiprocessing.reduction import ForkingPickler
     sizes = []
     for count in (10, 2000):

@@ -210,7 +210,8 @@ def test_checkpoint_from_the_gpu_opens_without_one(tmp_path, tiny_data):
 
 
 def test_loader_workers_feed_the_gpu_the_same_batches(tiny_data, tmp_path):
-    """-j 2: spawned workers, pinned memory, copies to the GPU without blocking: the weights of -j 0."""
+    """-j 2: workers forked by the fork server, pinned memory, copies to the GPU without blocking: the weights of
+    -j 0."""
     args = ["--data", tiny_data, "-b", 32, "--epochs", 1] + FAST
     runs = [gpu_run(args + ["--output-dir", tmp_path / str(j), "-j", j], nproc=1).check() for j in (0, 2)]
     assert runs[0].done["state_sha256"] == runs[1].done["state_sha256"], nondeterministic(*runs)

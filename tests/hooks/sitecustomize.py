@@ -12,7 +12,7 @@ COOKBOOK_SIGNAL_STEP=N   each process sends itself SIGTERM in its N-th optimizer
 COOKBOOK_RECORD_READS=D  each process appends the path of every file numpy.fromfile reads (the DALI
                          loader's reads) to D/rank<RANK>.txt;
 COOKBOOK_RECORD_WORKERS=D each DataLoader worker writes the command line of its process (how it was
-                         started: a spawned interpreter's names spawn_main) to D/<pid>.txt;
+                         started: one forked by the fork server names forkserver's main) to D/<pid>.txt;
 COOKBOOK_HIDE_DALI=1     nvidia.dali cannot be imported, as where it is not installed;
 COOKBOOK_CUDA_REPORT=DIR each process writes DIR/<its pid>: whether it started CUDA, as it exits.
 COOKBOOK_TINY_RESNET=1   --arch resnet_tiny exists (tiny_resnet.py), once the process imports torchvision.
