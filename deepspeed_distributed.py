@@ -1,9 +1,7 @@
 #!/usr/bin/env python
 """ImageNet training with DeepSpeed's ZeRO (each rank keeps 1/N of the optimizer state, gradients, parameters).
 
-    deepspeed --num_gpus 8 deepspeed_distributed.py --data /path/to/imagenet       # 8 GPUs, DeepSpeed's launcher
-    torchrun --nproc-per-node=8 deepspeed_distributed.py --data /path/to/imagenet  # (no GPU: 8 CPU processes)
-    python deepspeed_distributed.py --data /path/to/imagenet                       # one process
+    deepspeed --num_gpus 8 deepspeed_distributed.py --data /path/to/imagenet  # or launched as distributed.py
 
 One process per GPU with CUDA + NCCL (without GPUs: CPU + gloo); the launcher starts and numbers them.
 Every script of the cookbook is distributed.py plus its method's lines: `diff distributed.py X.py`.
@@ -54,9 +52,8 @@ def argument_parser():
     parser.add_argument("--zero-stage", type=number(int, 0, 3), default=2, help="0: no ZeRO; 1/N per rank of "
                         "1: the optimizer state, 2: also the gradients, 3: also the parameters")
     # No float16: under ZeRO 1-2 DeepSpeed skips an overflowed step before GradScaler sees it (its scale never drops).
-    parser.add_argument("--precision", choices=["float32", "bfloat16"], default="float32",
-                        help="DeepSpeed's torch_autocast: forward in this dtype (weights, BatchNorm and the "
-                             "gradients' reduction stay float32)")
+    parser.add_argument("--precision", choices=["float32", "bfloat16"], default="float32", help="DeepSpeed's "
+                        "torch_autocast: forward in this dtype (weights, BatchNorm, gradient reduction stay float32)")
     parser.add_argument("--deepspeed-config", metavar="FILE", help="DeepSpeed JSON config for anything else")
     parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
     parser.add_argument("--dist-timeout", type=number(float, 0, open_low=True), default=1800,
@@ -109,9 +106,7 @@ def engine_config(args, world_size):
     config["zero_optimization"] = {"reduce_bucket_size": size, "allgather_bucket_size": size,
                                    **config.get("zero_optimization", {}), "stage": args.zero_stage}
     config["torch_autocast"] = {"enabled": args.precision != "float32", "dtype": args.precision}
-    # Its default lower_precision_safe_modules (Linear, Conv) would have ZeRO 1-3 reduce their float32 gradients, and
-    # ZeRO 3 gather their weights, in bf16 (runtime/torch_autocast.py, base_optimizer.py's get_param_comm_dtype): none.
-    config["torch_autocast"]["lower_precision_safe_modules"] = []
+    config["torch_autocast"]["lower_precision_safe_modules"] = []  # not Linear, Conv: ZeRO would send theirs in bf16
     # Its "fp16"/"bf16" cast the weights, not the images, and validate runs the plain module on float32 images.
     for section in ("fp16", "bf16", "bfloat16"):  # "bfloat16": bf16's old name, still read (precision_config.py)
         if config.get(section, {}).get("enabled"):
@@ -165,8 +160,7 @@ def broadcast_buffers(model):
 
 
 def load_engine(engine, args):
-    """Load --resume's DeepSpeed checkpoint (choose_checkpoint) into the engine: weights and each rank's shard
-    of the optimizer state. Returns this script's state (its client_state, with its "path") or None."""
+    """Load --resume's checkpoint (choose_checkpoint) into the engine: its client_state with its "path", or None."""
     # DeepSpeed unpickles with weights_only=False, which runs any code a file holds: here True, plus its classes.
     from deepspeed.utils.tensor_fragment import fragment_address  # (deepspeed.utils.tensor_fragment: a class)
     torch.serialization.add_safe_globals([fragment_address, deepspeed.runtime.fp16.loss_scaler.LossScaler,
@@ -180,10 +174,9 @@ def load_engine(engine, args):
         except Exception as e:  # no fallback to an older one: the engine may now hold part of this one
             raise UsageError(f"cannot load checkpoint '{path}' ({(str(e).strip() or repr(e)).splitlines()[0]}): it "
                              "needs the -a, classes, --zero-stage and world size that wrote it") from None
-    checkpoint = choose_checkpoint(args, checkpoint_paths(args.output_dir, "ds-epoch"), os.path.isdir,
-                                   f"no DeepSpeed checkpoint at '{args.resume}': pass a ds-epochN directory of "
-                                   "--output-dir to --resume, or --resume auto (a single-file .pth checkpoint only "
-                                   "with -e)", load)
+    missing = (f"no DeepSpeed checkpoint at '{args.resume}': pass a ds-epochN directory of --output-dir to --resume, "
+               "or --resume auto (a single-file .pth checkpoint only with -e)")
+    checkpoint = choose_checkpoint(args, checkpoint_paths(args.output_dir, "ds-epoch"), os.path.isdir, missing, load)
     if checkpoint:
         log(f"=> loaded checkpoint '{checkpoint['path']}' (epoch {checkpoint['epoch']}, step {checkpoint['step']})")
     return checkpoint
@@ -249,8 +242,8 @@ def main_worker(args):
             if isinstance(e, RuntimeError) and "inline_container.cc" not in str(e):
                 raise
             raise LocalError(f"cannot write a checkpoint in '{args.output_dir}' on rank {rank} "
-                             f"({str(e).splitlines()[0]}): a full disk? Free space there or pass another --output-dir; the sealed checkpoints "
-                             "already there are intact") from None
+                             f"({str(e).splitlines()[0]}): a full disk? Free space there or pass another "
+                             "--output-dir; the sealed checkpoints already there are intact") from None
         if rank == 0:  # it returns once every rank's files are written
             seal(os.path.join(args.output_dir, tag), args.keep_checkpoints)
         if step:
@@ -293,9 +286,10 @@ def train(loader, model, criterion, optimizer, scheduler, epoch, first_step, ste
             with gradient_sync(model, micro == accum - 1):
                 output = model(images)
                 loss = criterion(output.float(), target)  # float: under --precision the logits are not
-                # The engine divides the loss by the micro-batch count; step() each time: it updates at the last.
-                model.backward(loss)
-                model.step()
+                # Dividing by the micro-batch count makes the accumulated gradient the mean over the
+                # whole global batch, as if it had been one batch.
+                model.backward(loss)  # the engine divides the loss by it (gradient_accumulation_steps)
+                model.step()  # at every micro-batch: the engine updates at the last
             progress.update(loss, output, target)
         scheduler.step()
         progress.step_done(step, optimizer.param_groups[0]["lr"])  # may checkpoint, or stop every rank

@@ -1,9 +1,8 @@
 #!/usr/bin/env python
 """ImageNet training with FSDP2 (torch.distributed.fsdp.fully_shard) instead of DDP.
 
-DDP keeps a whole copy of the parameters, gradients and optimizer state on every rank; FSDP keeps 1/N of each (a
-shard) and all-gathers one block's parameters just for its forward and backward: per-rank memory for them falls as
-1/N. Checkpoints are sharded (torch.distributed.checkpoint), plus a single-file state_dict for a plain model.
+Each rank keeps 1/N (a shard) of the parameters, gradients and optimizer state that DDP copies whole onto every rank,
+and all-gathers one block's parameters just for its forward and backward. Checkpoints: sharded (DCP) and single-file.
 
     torchrun --nproc-per-node=8 fsdp_distributed.py --data /path/to/imagenet   # 8 GPUs (no GPU: 8 CPU processes)
 
@@ -58,9 +57,8 @@ RANK = int(os.environ.get("RANK", 0))  # global rank, from the launcher: log() p
 def argument_parser():
     """The flags every script shares (training_arguments, at the end of the file), plus DDP's own."""
     parser = training_arguments("PyTorch ImageNet training with FSDP2 (fully_shard)")
-    parser.add_argument("--param-dtype", choices=["float32", "bfloat16"],
-                        help="FSDP mixed precision: dtype of the all-gathered parameters, so of forward and backward "
-                             "(the sharded parameters and the optimizer keep the model's dtype); default: no cast")
+    parser.add_argument("--param-dtype", choices=["float32", "bfloat16"], help="FSDP mixed precision: dtype of the "
+                        "all-gathered parameters, so of forward and backward (not of the shards); default: no cast")
     parser.add_argument("--reduce-dtype", choices=["float32", "bfloat16"],
                         help="FSDP mixed precision: dtype of the gradient reduce-scatter; default: --param-dtype's")
     parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
@@ -75,14 +73,12 @@ def setup_distributed(args):
     """Check the launch, pick this process's device and join the process group: (rank, world size, device).
     Every flag check runs before the rendezvous, so a bad flag fails all ranks alike and at once."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    # can_share=False: ranks sharing a GPU over gloo segfault in the checkpoint's all-gather (torch 2.11, docs/gpu.md).
     device = pick_device(args, int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-                         can_share=False)
+                         can_share=False)  # ranks sharing a GPU over gloo segfault in DCP's all-gather (docs/gpu.md)
     if args.sync_bn and device.type != "cuda":
         raise UsageError("--sync-bn needs CUDA: SyncBatchNorm works only with CUDA modules (drop --sync-bn on CPU)")
     check_slurm_step(world_size)
     check_batch(args, world_size, sync_bn=args.sync_bn and world_size > 1)  # one process: plain BatchNorm
-    # bf16 also runs on the CPU (gloo carries it; slow without AVX512-BF16/AMX), so the tests cover it there.
     require_bf16("bfloat16" in (args.param_dtype, args.reduce_dtype), device,
                  "--param-dtype/--reduce-dtype bfloat16 needs an Ampere or newer GPU: leave it out or use float32")
     if world_size > 1:  # the launcher's rendezvous (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)
@@ -115,9 +111,8 @@ def all_gather_objects(obj):
 
 
 def gradient_sync(model, last_micro_batch):
-    """FSDP2's no_sync: on all but the last micro-batch, backward skips the reduce-scatter and accumulates the
-    unsharded gradients locally (holding whole gradients meanwhile), so FSDP communicates once per optimizer
-    step, not per micro-batch. The last one reduce-scatters the sum, averaged over ranks like DDP's all-reduce."""
+    """FSDP2's no_sync: on all but the last micro-batch backward skips the reduce-scatter, accumulating whole
+    gradients locally, so FSDP communicates once per optimizer step; the last reduce-scatters (averages) the sum."""
     model.set_requires_gradient_sync(last_micro_batch)
     return contextlib.nullcontext()
 
@@ -133,39 +128,35 @@ def broadcast_buffers(model):
 def shard_model(model, mesh, args):
     """fully_shard each block, then the root (it takes the rest: a ResNet's stem and fc).
 
-    Each call makes one unit: its parameters are sharded over the ranks, all-gathered together
-    just before its forward (and again for its backward) and freed after, and its gradients are
-    reduce-scattered, averaged over ranks like DDP's all-reduce, as soon as backward leaves it. So
-    only one unit is ever whole, and its communication overlaps the other units' compute; each
-    unit costs a collective per pass, so a few large ones: each nn.Sequential child of the model
-    (a ResNet's stages layer1-4; features and classifier in VGG, MobileNet, ...).
+    Each call makes a unit: its parameters, sharded over the ranks, are all-gathered just for its forward and its
+    backward, and its gradients reduce-scattered (averaged like DDP's all-reduce) as soon as backward leaves it: one
+    unit is whole at a time, its communication overlapping other units' compute. A collective per unit and pass, so a
+    few large ones: each nn.Sequential child (a ResNet's layer1-4; features and classifier in VGG, MobileNet, ...).
     """
     # None: no cast, FSDP computes and reduces in the parameters' own dtype.
-    param_dtype, reduce_dtype = (getattr(torch, name) if name else None for name in (args.param_dtype, args.reduce_dtype))
+    param_dtype, reduce_dtype = (name and getattr(torch, name) for name in (args.param_dtype, args.reduce_dtype))
+    blocks = [block for block in model.children() if isinstance(block, nn.Sequential)]
     if param_dtype == torch.bfloat16:
-        # BatchNorm fails on bf16 weights with its float32 running statistics ("Expected running_mean
-        # to have type BFloat16"): the norms keep float32 weights in units of their own, take the bf16
-        # activations as they are (as under autocast) and hand bf16 on. One unit per block (the
-        # root's own norms one more), not per norm: one all-gather each, not 53 tiny ones (ResNet-50).
-        blocks = [block for block in model.children() if isinstance(block, nn.Sequential)]
+        # BatchNorm fails on bf16 weights with its float32 running statistics ("Expected running_mean to have type
+        # BFloat16"): the norms keep float32 weights in units of their own, take bf16 activations and hand bf16 on.
+        # One unit per block (and one for the root's norms), not per norm: not 53 tiny all-gathers (ResNet-50).
         in_blocks = {module for block in blocks for module in block.modules()}
         for group in [list(block.modules()) for block in blocks] + [[m for m in model.modules() if m not in in_blocks]]:
             norms = [m for m in group if isinstance(m, nn.modules.batchnorm._BatchNorm)]
             if norms:
                 fully_shard(norms, mesh=mesh,
                             mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype, output_dtype=param_dtype))
-    for block in model.children():
-        if isinstance(block, nn.Sequential):
-            fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype))
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype))
     # Under a cast, float32 logits out of the root: the loss and top-k are computed in float32.
     return fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(
         param_dtype, reduce_dtype, output_dtype=torch.float32 if param_dtype else None))
 
 
 # ---- sharded checkpoints: torch.distributed.checkpoint (DCP) ----
-# Every rank writes and reads only its own shards, in parallel: no rank ever holds the whole model or optimizer state.
-# Only tensors go through DCP, which unpickles anything else with weights_only=False; the rest (epoch, scheduler, RNG,
-# optimizer hyper-parameters) goes into a plain torch.save file in the same directory, loaded with weights_only=True.
+# Each rank writes and reads only its own shards, in parallel: none holds the whole model or optimizer state. Only
+# tensors go through DCP (it unpickles anything else unsafely): the rest, in a torch.save file beside them, loads
+# with weights_only=True.
 SHARDED_PREFIX, TRAINER_STATE = "dcp-epoch", "trainer_state.pth"
 
 
@@ -177,12 +168,10 @@ def save_sharded(model, optimizer, args, trainer_state):
     tmp = tempfile.mkdtemp(dir=args.output_dir, prefix=".dcp.", suffix=".tmp") if RANK == 0 else None
     tmp = all_gather_objects(tmp)[0]  # rank 0's
     optimizer_state = get_optimizer_state_dict(model, optimizer)
-    # Tensors every rank holds whole (BatchNorm's running statistics: fully_shard leaves buffers alone) are
-    # written once: by default from whichever rank has written least so far, rank 1's statistics for some.
-    # Rank 0's, as validate broadcasts them: a resumed run then ends with the uninterrupted one's.
-    # --cpu beside GPUs: DCP's writer stages through a CUDA stream wherever CUDA is available, which starts
-    # CUDA (filesystem.py, _OverlappingCpuLoader); with no copy-ahead it takes its plain CPU loader.
+    # --cpu beside GPUs: with no copy-ahead DCP's writer takes its CPU loader, not a CUDA stream (filesystem.py).
     writer = dcp.FileSystemWriter(tmp, per_thread_copy_ahead=0 if args.cpu else 10_000_000)
+    # Replicated tensors (BatchNorm's statistics) from rank 0, which validate broadcasts, not from whichever rank has
+    # written least: a resumed run then ends as the uninterrupted one (docs/fsdp.md).
     try:
         dcp.save({"model": get_model_state_dict(model), "optimizer": optimizer_state["state"]}, storage_writer=writer,
                  planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
@@ -194,10 +183,8 @@ def save_sharded(model, optimizer, args, trainer_state):
                          f"failed ({str(first).strip().splitlines()[0]}): a full disk? Free space there or pass "
                          "another --output-dir; checkpoints already there are intact") from None
     if RANK == 0:  # dcp.save returns once every rank's shards and rank 0's metadata are written
-        with open(os.path.join(tmp, TRAINER_STATE), "wb") as f:
-            torch.save(dict(trainer_state, param_groups=optimizer_state["param_groups"]), f)
-            f.flush()
-            os.fsync(f.fileno())
+        write_atomically(os.path.join(tmp, TRAINER_STATE),
+                         lambda f: torch.save(dict(trainer_state, param_groups=optimizer_state["param_groups"]), f))
         if os.path.isdir(path):  # a damaged one that a resume skipped: this run has come back to its step
             shutil.rmtree(path)
         os.rename(tmp, path)
@@ -205,9 +192,8 @@ def save_sharded(model, optimizer, args, trainer_state):
 
 
 def sharded_checkpoint(args, model):
-    """--resume's checkpoint (choose_checkpoint), None to start fresh. A single-file one (-e only) loads into the
-    whole model; of a sharded one, its trainer state (epoch, step, scheduler, RNG, args) with its "path": its
-    shards go into the sharded model and optimizer (load_sharded)."""
+    """--resume's checkpoint (choose_checkpoint), None to start fresh: a single-file one (-e only) loaded into the
+    whole model, or a sharded one's trainer state with its "path" (load_sharded loads its shards)."""
     if args.evaluate and os.path.isfile(args.resume):
         return load_checkpoint(args, model)
     return choose_checkpoint(args, checkpoint_paths(args.output_dir, SHARDED_PREFIX),
@@ -273,16 +259,13 @@ def main_worker(args):
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model.to(device)
     checkpoint = sharded_checkpoint(args, model)
-    # Unlike DDP, fully_shard does not broadcast rank 0's initial weights: each rank would keep its
-    # own slice of its own random initialisation. Start from rank 0's, as DDP does.
+    # Unlike DDP, fully_shard does not broadcast rank 0's initial weights (each rank would shard its own).
     for tensor in model.state_dict().values():
         dist.broadcast(tensor, src=0)
-    # One mesh of all ranks on this process's device type: without one, fully_shard builds it on the
-    # accelerator torch was built for, even under --cpu (CUDA tensors, a gloo group: it fails).
+    # A mesh on this device's type: fully_shard's default one is on torch's accelerator, even under --cpu (it fails).
     parallel_model = shard_model(model, init_device_mesh(device.type, (world_size,)), args)  # in place: it is model
     micro_batch = args.batch_size // world_size // args.grad_accum_steps
-    # FSDP reduces the gradients in --reduce-dtype, else in their own, --param-dtype's (torch's _fsdp_collectives.py:
-    # reduce_dtype or grad_dtype). BatchNorm's few weights, float32 under --param-dtype bfloat16, count as bf16.
+    # Gradients reduced in --reduce-dtype, else --param-dtype (_fsdp_collectives.py); BatchNorm's fp32 counts as bf16.
     report_start(model, world_size, device, micro_batch, args,  # parameters gathered in forward and backward
                  ("all_gather", args.param_dtype, 2 * args.grad_accum_steps),
                  ("reduce_scatter", args.reduce_dtype or args.param_dtype, 1))
@@ -309,8 +292,9 @@ def main_worker(args):
         """Checkpoint the state after `step` optimizer steps of `epoch` (a whole epoch: epoch + 1, step 0)."""
         check_finite(model.parameters(), epoch, step, optimizer.param_groups[0]["lr"])
         rngs = all_gather_objects(dict(rng_state([device]), loader=loader_state))  # collective: every rank's
-        save_sharded(model, optimizer, args, {"epoch": epoch, "step": step, "arch": args.arch, "best_acc1": best_acc1,
-                     "scheduler": scheduler.state_dict(), "world_size": world_size, "rng": rngs, "args": vars(args)})
+        state = {"epoch": epoch, "step": step, "arch": args.arch, "scheduler": scheduler.state_dict(),
+                 "best_acc1": best_acc1, "world_size": world_size, "rng": rngs, "args": vars(args)}
+        save_sharded(model, optimizer, args, state)
         if step:
             return
         # And the whole model in one file, for an unwrapped model (inference, fine-tuning, distributed.py -e).
@@ -373,9 +357,7 @@ def validate(loader, model, device):
             output = model(images)
             meter.update(F.cross_entropy(output, target, reduction="none").double().sum(),
                          *correct_counts(output, target), target.size(0))
-    # The root keeps its parameters gathered after forward, for the backward that follows in
-    # training; here none follows, so free them (and give the optimizer its sharded ones back).
-    model.reshard()
+    model.reshard()  # the root keeps its parameters gathered after forward, for a backward: none follows here
     return meter.evaluated()
 
 
