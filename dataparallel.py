@@ -753,10 +753,11 @@ class DaliLoader:
     def __len__(self):
         return len(self.batches)
 
-    def read(self, batch):
-        """The batch's encoded files and labels (+ crop anchors, shapes and flips for training), as DALI takes them."""
+    def source(self):
+        """The next batch's encoded files and labels (+ crop anchors, shapes and flips for training), for DALI."""
+        self.pending.append([key if self.seeded else (None, key) for key in next(self.pass_batches)])  # val: no epoch
         columns = [[], [], [], [], []]
-        for epoch, index in batch:
+        for epoch, index in self.pending[-1]:
             path, label = self.samples[index]
             columns[0].append(numpy.fromfile(path, dtype=numpy.uint8))
             columns[1].append(numpy.array(label))
@@ -769,10 +770,6 @@ class DaliLoader:
                     for column, value in zip(columns[2:], ([left, top], [width, height], mirror.item())):  # DALI: x, y
                         column.append(numpy.array(value, dtype=numpy.int32))
         return columns if self.seeded else columns[:2]
-
-    def source(self):  # the next batch as (epoch, index) keys: the sampler's (train), or with no epoch (val)
-        self.pending.append([key if self.seeded else (None, key) for key in next(self.pass_batches)])
-        return self.read(self.pending[-1])
 
     def pipeline(self, source):
         fn, types, size, gpu = self.dali.fn, self.dali.types, self.args.image_size, self.device.type == "cuda"
