@@ -301,23 +301,19 @@ def report(error):
         # Raised in a DataLoader worker, it comes back with the worker's traceback before its message.
         print(f"error: {str(error).rsplit(type(error).__name__ + ': ', 1)[-1].strip()}", file=sys.stderr, flush=True)
         return
-    # Rank 0 prints it. A rank exiting first would have its launcher kill a rank 0 still starting up, before
-    # its line (seen in CI): wait for the launcher's stop signal once rank 0 has exited, 10 s at most.
+    # Rank 0 prints it: a rank exiting first could have its launcher kill rank 0 before its line (seen in CI).
     deadline = time.monotonic() + 10
     while not STOP_SIGNALS and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
-def log(*args, **kwargs):
-    """Print on global rank 0 only, so N processes do not print N copies."""
+def log(*args, **kwargs):  # global rank 0 only: N processes would print N copies
     if RANK == 0:
         print(*args, **kwargs, flush=True)
 
 
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):  # one line and exit 2, as for any bad input, not the usage text too
-        if "--tensorboard" in message:  # the flag until 2026-11-26: the trainer records, a tool converts
-            message += ": TensorBoard's events are now written by tools/metrics_tensorboard.py OUTPUT_DIR [--follow 30]"
         report(UsageError(message))
         sys.exit(2)
 
@@ -396,8 +392,7 @@ def seed_everything(seed):
 
 
 def pick_device(args, local_rank, local_world_size, can_share=True):
-    """GPU `local_rank` of this node where torch sees GPUs (torch.accelerator), else (or with --cpu) the CPU.
-    can_share: whether the method's processes can share a GPU over gloo (FSDP2, DeepSpeed, Horovod cannot)."""
+    """GPU `local_rank` of this node, else (or with --cpu) the CPU. can_share: processes may share a GPU over gloo."""
     # All processes of a node fail alike here: its local rank 0 says why (global rank 0 may be on another node).
     node_error = LocalError if local_rank == 0 else UsageError
     accelerator = None if args.cpu else torch.accelerator.current_accelerator(check_available=True)
@@ -415,11 +410,9 @@ def pick_device(args, local_rank, local_world_size, can_share=True):
 
 
 def require_bf16(wanted, device, error):
-    """A bf16 flag on a GPU that cannot run bf16 natively is one error line. including_emulation=False:
-    older GPUs run bf16 only emulated (the default True says they support it)."""
+    """A bf16 flag on a GPU without native bf16 (emulated only: including_emulation=False) is one error line."""
     if wanted and device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
         raise UsageError(error)
-
 
 
 def check_no_gpu_left_out(error):
@@ -440,12 +433,11 @@ def check_no_gpu_left_out(error):
 
 
 def check_slurm_step(world_size):
-    """In a Slurm step (srun) of N tasks, a process group of fewer processes means tasks training apart, N copies of
-    one run (no launcher numbered them, or not one per node): refused, by task 0 (the others may all say rank 0)."""
-    in_step, env = "SLURM_STEP_ID" in os.environ, os.environ
-    tasks = int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", 1))) if in_step else 1
+    """A Slurm step of N tasks in a smaller process group trains N copies of one run: task 0 refuses it."""
+    env = os.environ
+    tasks = int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", 1))) if "SLURM_STEP_ID" in env else 1
     if world_size < tasks:
-        if os.environ.get("SLURM_PROCID", "0") != "0":
+        if env.get("SLURM_PROCID", "0") != "0":  # the others may all say rank 0
             sys.exit(2)
         raise UsageError(f"this Slurm step has {tasks} tasks, but they would train apart, world size {world_size} "
                          f"each: start one task per node running torchrun (sbatch scripts/slurm_train.sbatch does), "
@@ -481,8 +473,7 @@ def join_process_group(device, args, port_hint, **kwargs):
 
 
 def check_output_dir(args):
-    """Rank 0 finds out now, not after an epoch, if it cannot have --output-dir to itself. Collective, after the
-    rendezvous (a rank 0 stopping alone before it would leave the others waiting): all stop on rank 0's verdict."""
+    """Rank 0 claims --output-dir now, not after an epoch; all stop on its verdict (a collective: after rendezvous)."""
     try:
         if RANK == 0 and not args.evaluate:
             claim_output_dir(args)
@@ -524,8 +515,7 @@ def claim_output_dir(args):
 
 
 def common_seed(checkpoint, args):
-    """The seed every rank shuffles with, or their shares would not partition the data (collective): rank 0's
-    (--seed's or drawn), or a resumed run's checkpoint's, so that its epoch's order is the interrupted one."""
+    """The seed every rank shuffles with (else their shares overlap; collective): rank 0's, or the resumed run's."""
     return checkpoint["args"]["seed"] if checkpoint else all_gather_objects(
         int.from_bytes(os.urandom(4), "little") if args.seed is None else args.seed)[0]
 
@@ -533,7 +523,6 @@ def common_seed(checkpoint, args):
 # ---- data: datasets, the model, samplers, loaders (torch's and DALI's), batches on the device ----
 
 def build_datasets(args):
-    """Train and val datasets plus the class count; bad data directories raise UsageError."""
     if args.data_backend == "dali":
         if args.dummy:
             raise UsageError("--data-backend dali reads image files: pass --data DIR, not --dummy")
@@ -546,16 +535,14 @@ def build_datasets(args):
                 SyntheticImages(val_count, args.image_size, 1000, offset=args.dummy_samples), 1000)
     if not args.data:
         raise UsageError("no dataset: pass --data DIR (with DIR/train and DIR/val) or --dummy")
-    for split in ("train", "val"):
-        top = os.path.join(args.data, split)
+    for top in (os.path.join(args.data, "train"), os.path.join(args.data, "val")):
         if not os.path.isdir(top):
             raise UsageError(f"{top} is not a directory: --data must hold train/ and val/ in ImageFolder layout "
                              "(python tools/make_demo_data.py writes a demo set)")
-    # transforms v2, on uint8 tensors (or PIL's images) into uint8 CHW: to_device normalises on the device.
     train_tf = transforms.Compose([transforms.RandomResizedCrop(args.image_size, scale=(args.min_crop_scale, 1.0)),
                                    transforms.RandomHorizontalFlip(), transforms.PILToTensor()])
-    val_tf = transforms.Compose([transforms.Resize(args.image_size * 256 // 224), transforms.CenterCrop(args.image_size),
-                                 transforms.PILToTensor()])
+    val_tf = transforms.Compose([transforms.Resize(args.image_size * 256 // 224),
+                                 transforms.CenterCrop(args.image_size), transforms.PILToTensor()])
     try:
         args.decoder = pick_decoder(args.decoder)
         loader = functools.partial(load_image, decoder=args.decoder)
@@ -571,10 +558,7 @@ def build_datasets(args):
 
 
 class ListedFolder(datasets.ImageFolder):
-    """torchvision's ImageFolder (its classes, files, their order, __getitem__) from one walk of the tree, which also
-    refuses symlink loops, into a FileTable. With ImageFolder's own __init__ (a list of (path, class) tuples, copied
-    into the FileTable) and the loop check's walk before it, ImageNet's 1.33 M files took 3.7 s of CPU here, against
-    1.7 (main.py's ImageFolder alone: 2.1)."""
+    """ImageFolder from one walk of the tree into a FileTable, symlink loops refused: half its CPU (docs/input.md)."""
 
     def __init__(self, root, transform, loader):
         datasets.VisionDataset.__init__(self, root, transform=transform)
@@ -582,8 +566,7 @@ class ListedFolder(datasets.ImageFolder):
         folders = {}  # class: its (folder, files), the steps of ImageFolder's os.walk(class folder)
         for path, dirs, files in os.walk(root, followlinks=True):
             parts = os.path.relpath(path, root).split(os.sep)
-            # ImageFolder follows symlinks to directories: one back to a directory it is in would add every
-            # image below that again, to its class, until the path grows too long for the OS.
+            # A symlink back to a directory above would add every image below it again, until the path is too long.
             above = {os.path.realpath(os.path.join(root, *parts[:i])) for i in range(len(parts) + 1)}
             for name in dirs:
                 if os.path.realpath(os.path.join(path, name)) in above:
@@ -608,15 +591,11 @@ class ListedFolder(datasets.ImageFolder):
 
 
 def start_fork_server():
-    """The loader workers' parent: multiprocessing's fork server, a fresh interpreter that imports torch once and forks
-    each worker, which shares those pages: 25 MB of its own (a spawned worker imported torch itself: 440 MB PSS and
-    seconds of CPU each). Not this process: its torch threads may hold locks a fork copies held for ever (CPython
-    gh-112275: a hang at an epoch's start); the server has one thread. It ends with this process (its pipe closes).
-    Launchers signal the whole process group (Slurm every process of the step), and a stop signal would end it, and
-    its workers with it, before this process had checkpointed: it starts with them blocked, as its workers then are."""
+    """The loader workers' parent, which imports torch once (docs/input.md). Never fork this process: its torch threads
+    may hold locks a fork copies held for ever (CPython gh-112275: a hang). The stop signals are blocked: launchers
+    signal the whole process group, and one would end the server and its workers before the checkpoint."""
     from multiprocessing import forkserver, resource_tracker
-    # What a worker imports first, 90% of its 440 MB. The default, '__main__', imports nothing before CPython's fix of
-    # gh-126631 (2025), and a module next to this file is not found by the server before 3.12.8 (gh-117378).
+    # What a worker imports first; the default, '__main__', imports nothing before CPython's gh-126631 fix.
     forkserver.set_forkserver_preload(["torch", "torchvision"])
     resource_tracker.ensure_running()  # first: starting it unblocks SIGTERM (CPython's guard for that helper)
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})  # a mask survives exec
@@ -627,12 +606,11 @@ def start_fork_server():
 
 
 def init_worker(worker_id):
-    """worker_init_fn: the stop signals ignored (ignore_stop_signals), and the fork server's pipe left to the trainer.
-    The server lives while any process holds that pipe, and every worker it forks is given it; torch's watchdog ends
-    a worker once its parent, the server, is gone. So a SIGKILLed trainer's (the OOM killer's) server and workers
-    ran on for ever, holding its memory, /dev/shm files and stdout; now the server ends, and its workers 5 s later."""
+    """worker_init_fn. Launchers signal the whole process group: a worker would die before its trainer stopped. The
+    fork server lives while a process holds its pipe: a SIGKILLed trainer's server and workers would run on for ever."""
     from multiprocessing import forkserver
-    ignore_stop_signals(worker_id)
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
     server = forkserver._forkserver  # multiprocessing has no public way to this pipe
     if server._forkserver_alive_fd is not None:  # None in a worker not forked by a fork server
         os.close(server._forkserver_alive_fd)
@@ -640,10 +618,7 @@ def init_worker(worker_id):
 
 
 class FileTable:
-    """ImageFolder's (path, class) list in two tensors. A loader worker reads the dataset sent to it only once it has
-    started (spawned: after importing torch, seconds), and the sender waits once it fills the pipe (64 KiB): ImageNet's
-    1.28 M paths (100 MB pickled) started spawned workers one after another, minutes on a GPU node. Tensors go by
-    shared memory."""
+    """ImageFolder's (path, class) list in two tensors, shared with the workers, not pickled to each (docs/gpu.md)."""
 
     def __init__(self, paths, labels):
         paths = [os.fsencode(path) for path in paths]
@@ -661,8 +636,7 @@ class FileTable:
 
 @contextlib.contextmanager
 def open_image(path):
-    """PIL's Image.open, which reads the header, not the pixels: a file PIL cannot read, or whose header claims over
-    twice Image.MAX_IMAGE_PIXELS (DecompressionBombError: a bomb, or a photo too big to train on), is an error."""
+    """PIL's Image.open (the header only): a file PIL cannot read, or a decompression bomb, is an error line."""
     try:
         with Image.open(path) as image:
             yield image
@@ -671,8 +645,7 @@ def open_image(path):
 
 
 def pick_decoder(choice):
-    """--decoder's, by default TorchCodec's where it imports (torchvision 0.29 deprecates its decoders for them), else
-    torchvision.io's (a site's older torchvision, without TorchCodec)."""
+    """--decoder's, by default TorchCodec where it imports (torchvision 0.29 deprecates its own), else torchvision."""
     if choice in (None, "torchcodec"):
         try:
             import torchcodec.decoders  # noqa: F401
@@ -685,9 +658,7 @@ def pick_decoder(choice):
 
 
 def load_image(path, decoder="torchcodec"):
-    """ImageFolder's loader: JPEGs and PNGs (any mode, whatever the name says) by TorchCodec (or torchvision.io) into
-    uint8 CHW, 1.4x faster per core than PIL (benchmarks/input_pipeline.py); other formats, damaged files and
-    --decoder pil by PIL into RGB, after open_image's checks. EXIF rotation is applied by none (nor by DALI)."""
+    """JPEGs and PNGs by TorchCodec (or torchvision.io) into uint8 CHW, the rest by PIL, unturned (docs/input.md)."""
     with open_image(path) as image:
         # TorchCodec turns an image by its EXIF orientation, which PIL, torchvision.io and DALI do not: PIL decodes it.
         turned = decoder == "torchcodec" and image.getexif().get(0x0112, 1) != 1
@@ -703,8 +674,7 @@ def load_image(path, decoder="torchcodec"):
 
 
 class SyntheticImages(torch.utils.data.Dataset):
-    """--dummy: `count` random uint8 CHW images and labels, each drawn from a CPU generator seeded by its index:
-    the same at any world size, worker count or restart (FakeData's torch.manual_seed would seed every GPU)."""
+    """--dummy: random uint8 CHW images and labels, seeded by index on a CPU generator (FakeData's seeds every GPU)."""
 
     def __init__(self, count, image_size, num_classes, offset=0):
         self.count, self.shape, self.num_classes, self.offset = count, (3, image_size, image_size), num_classes, offset
@@ -742,13 +712,10 @@ def build_model(args, num_classes):
 
 def build_loaders(args, train_set, val_set, world_size, rank, device, micro_batch):
     train_set = SampleSeeded(train_set, args.seed)  # random crops and flips fixed per (seed, epoch, image)
-    # DistributedSampler gives each rank a disjoint 1/W of a permutation that depends only on (seed, epoch), so the
-    # ranks' micro-batches of a step form the batch one process would take. drop_last: no padding with duplicates.
     train_sampler = ResumableSampler(train_set, world_size, rank, seed=args.seed, drop_last=True)
     if len(train_sampler) < max(1, micro_batch) * args.grad_accum_steps and not args.evaluate:
         raise UsageError(f"the train set ({len(train_set)} images) is smaller than one global batch "
                          f"(-b {args.batch_size}): lower -b")
-    # Exact evaluation: fixed batches dealt out to the ranks, without padding (shard_batches says why).
     val_batches = shard_batches(len(val_set), world_size, rank, args.val_batch_size)
     if args.data_backend == "dali":
         train_batches = torch.utils.data.BatchSampler(train_sampler, max(1, micro_batch), drop_last=True)
@@ -761,10 +728,7 @@ def build_loaders(args, train_set, val_set, world_size, rank, device, micro_batc
     train_loader = torch.utils.data.DataLoader(train_set, max(1, micro_batch), sampler=train_sampler, drop_last=True,
                                                generator=torch.Generator().manual_seed(args.seed + rank), **loader_args)
     val_loader = torch.utils.data.DataLoader(val_set, batch_sampler=val_pending, **loader_args)
-    if args.workers:
-        # Start both loaders' workers now, not at their first batch: their start (a fork, then this script's imports
-        # past torch's) overlaps the rest of the set-up. The persistent workers stay; with nothing to load yet they
-        # load nothing to drop.
+    if args.workers:  # their start overlaps the rest of the set-up; with nothing to load yet, they load nothing
         for loader in (val_loader,) if args.evaluate else (train_loader, val_loader):
             iter(loader)
     val_pending += val_batches
@@ -772,8 +736,7 @@ def build_loaders(args, train_set, val_set, world_size, rank, device, micro_batc
 
 
 class SampleSeeded(torch.utils.data.Dataset):
-    """Seeds each sample's augmentation from (seed, epoch, index), its key (ResumableSampler's): the same crop and flip
-    at any world size, worker count or restart, so N processes train what one would, and a resume continues."""
+    """Seeds each sample's crop and flip by (seed, epoch, index): the same at any world size, worker count, restart."""
 
     def __init__(self, dataset, seed):
         self.dataset, self.seed = dataset, seed
@@ -785,7 +748,7 @@ class SampleSeeded(torch.utils.data.Dataset):
     def seeded(self, epoch, index):
         # The CPU generator only, the transforms' (torch.manual_seed would seed every GPU too: 50x slower per image).
         with torch.random.fork_rng(devices=[]):
-            torch.random.default_generator.manual_seed(((self.seed * 1_000_003 + epoch) * 1_000_000_007 + index) % 2**63)
+            torch.default_generator.manual_seed(((self.seed * 1_000_003 + epoch) * 1_000_000_007 + index) % 2**63)
             yield
 
     def __getitem__(self, key):  # (epoch, index)
@@ -794,9 +757,7 @@ class SampleSeeded(torch.utils.data.Dataset):
 
 
 class ResumableSampler(torch.utils.data.distributed.DistributedSampler):
-    """DistributedSampler of SampleSeeded's (epoch, index) keys: persistent loader workers keep the dataset copy they
-    started with, so the epoch travels with each index. set_epoch(epoch, skip) leaves out the first `skip` of this
-    rank's share (a mid-epoch checkpoint's): shares interleave, so k*B/W on every rank skips k global batches of B."""
+    """DistributedSampler of (epoch, index) keys; set_epoch(epoch, skip) skips this rank's first `skip` (a resume)."""
 
     skip = 0
 
@@ -814,8 +775,7 @@ class ResumableSampler(torch.utils.data.distributed.DistributedSampler):
 
 
 def shard_batches(count, num_replicas, rank, batch_size):
-    """Rank `rank`'s evaluation batches, dealt out round-robin with NO padding (DistributedSampler's duplicates
-    would count images twice; evaluation syncs once, after its loop): each image in the same batch at any size."""
+    """Rank `rank`'s evaluation batches, round-robin, NOT padded: DistributedSampler's duplicates count twice."""
     starts = range(rank * batch_size, count, num_replicas * batch_size)
     return [list(range(start, min(start + batch_size, count))) for start in starts]
 
@@ -832,27 +792,25 @@ def import_dali():
 
 
 class DaliLoader:
-    """--data-backend dali: NVIDIA DALI decodes, crops, resizes and flips in -j threads (nvJPEG on GPUs) into uint8
-    NCHW batches on the device. Python still picks every batch and every crop window and flip, as the default loader
-    does, so its guarantees hold; only the resampling is DALI's (docs/input.md)."""
+    """--data-backend dali: DALI decodes, crops, resizes and flips into uint8 NCHW batches on the device; Python picks
+    the batches, crops and flips, as the default loader does, so its guarantees hold (docs/input.md)."""
 
     def __init__(self, dataset, batches, batch_size, args, device):
-        # .dataset, as a DataLoader has: FSDP's and ZeRO's validate take a stand-in image's shape from it.
-        self.dali, self.dataset = import_dali(), dataset
+        self.dali, self.dataset = import_dali(), dataset  # .dataset: FSDP's and ZeRO's validate read a shape from it
         self.seeded = dataset if isinstance(dataset, SampleSeeded) else None  # the train set: random crops
         folder = dataset.dataset if self.seeded else dataset
         self.samples, self.transforms = folder.samples, folder.transform.transforms
         self.batches, self.batch_size, self.args, self.device = batches, batch_size, args, device
-        # generator: main_worker checkpoints a DataLoader's (its workers' seed source); DALI draws nothing from it.
-        self.generator, self.pipe, self.midway = torch.Generator(), None, False
+        self.generator, self.pipe, self.midway = torch.Generator(), None, False  # generator: checkpointed, unused
 
     def __len__(self):
         return len(self.batches)
 
-    def read(self, batch):
-        """The batch's encoded files and labels (+ crop anchors, shapes and flips for training), as DALI takes them."""
+    def source(self):
+        """The next batch's encoded files and labels (+ crop anchors, shapes and flips for training), for DALI."""
+        self.pending.append([key if self.seeded else (None, key) for key in next(self.pass_batches)])  # val: no epoch
         columns = [[], [], [], [], []]
-        for epoch, index in batch:
+        for epoch, index in self.pending[-1]:
             path, label = self.samples[index]
             columns[0].append(numpy.fromfile(path, dtype=numpy.uint8))
             columns[1].append(numpy.array(label))
@@ -866,16 +824,11 @@ class DaliLoader:
                         column.append(numpy.array(value, dtype=numpy.int32))
         return columns if self.seeded else columns[:2]
 
-    def source(self):  # the next batch as (epoch, index) keys: the sampler's (train), or with no epoch (val)
-        self.pending.append([key if self.seeded else (None, key) for key in next(self.pass_batches)])
-        return self.read(self.pending[-1])
-
     def pipeline(self, source):
         fn, types, size, gpu = self.dali.fn, self.dali.types, self.args.image_size, self.device.type == "cuda"
         decoder = "mixed" if gpu else "cpu"  # mixed: nvJPEG decodes on the GPU, the CPU parses the headers
 
-        # device_id None: a CPU-only pipeline, which runs without a GPU or driver.
-        # exec_dynamic: the executor whose outputs live while torch holds them (zero-copy below); an older DALI refuses.
+        # exec_dynamic: outputs that live while torch holds them (zero-copy); device_id None: a CPU-only pipeline.
         @self.dali.pipeline_def(batch_size=self.batch_size, num_threads=max(1, self.args.workers), exec_dynamic=True,
                                 device_id=self.device.index if gpu else None)
         def pipe():
@@ -893,10 +846,8 @@ class DaliLoader:
         return pipe()
 
     def __iter__(self):
-        # This epoch's batches (the sampler's set_epoch came first); those read and not yet delivered, oldest first.
-        self.pass_batches, self.pending = iter(self.batches), []
-        # One pipeline per loader, built at its first pass (seconds): DALI calls read() as it prefetches, the source's
-        # StopIteration ends a pass, reset() readies the next. A pass left midway leaves batches queued: a new one.
+        self.pass_batches, self.pending = iter(self.batches), []  # pending: read, not yet delivered, oldest first
+        # One pipeline, built at the first pass (seconds), reset after each; a pass left midway leaves batches queued.
         if self.pipe is None or self.midway:
             self.pipe = self.pipeline(self.source)
             self.pipe.build()
@@ -923,9 +874,7 @@ class DaliLoader:
             where = next((line for line in str(e).splitlines() if "operator" in line), "").rstrip(",")
             raise LocalError(f"DALI cannot decode an image of this rank's next batches ({where}), though PIL "
                              "decodes each: an unsupported file?") from None
-        # Zero-copy, as DALI's DALIGenericIterator with its default dynamic executor: the outputs live while torch
-        # holds them, and from_dlpack makes DALI's GPU work ready on torch's stream. The labels are copied: DALI
-        # may reuse its host buffer before to_device's non_blocking copy has read it. Device: for from_dlpack only.
+        # Zero-copy; the labels copied: DALI may reuse their buffer before to_device's non_blocking copy reads it.
         with self.device:
             return torch.from_dlpack(images.as_tensor()), torch.from_dlpack(labels.as_tensor()).clone()
 
@@ -938,8 +887,7 @@ def normalization(device, dtype):
 
 
 def to_device(images, target, device):
-    """A batch onto the device, normalised there as by ToTensor + Normalize (a float batch: in [0, 1]). The loaders
-    deliver uint8, as NVIDIA's and timm's: a 4x smaller host-to-device copy, no float work in their workers."""
+    """A batch (uint8: a 4x smaller copy; or floats in [0, 1]) onto the device, normalised there as by Normalize."""
     images = images.to(device, non_blocking=True)
     mean, std = normalization(images.device, torch.get_default_dtype())
     if images.dtype == torch.uint8:
@@ -948,8 +896,7 @@ def to_device(images, target, device):
 
 
 def val_batches(loader, device, collective_model=None):
-    """The loader's batches on the device. collective_model: one whose forward is a collective (FSDP, ZeRO 3), which
-    every rank must run as often as the rank with the most batches: a rank out of them forwards a stand-in image."""
+    """The loader's batches on the device, then stand-ins for a collective_model (FSDP, ZeRO 3) to match all ranks."""
     stand_ins = max(all_gather_objects(len(loader))) - len(loader) if collective_model else 0  # before a forward
     for images, target in loader:
         yield to_device(images, target, device)
@@ -967,8 +914,7 @@ def lr_schedule(args, steps_per_epoch):
 
 
 class Progress:
-    """train()'s bookkeeping between steps, alike for every method: the data wait; every --print-freq steps (the only
-    host sync) the progress line and record, the loss's check, the stop signals; --save-every's save(steps done)."""
+    """train()'s bookkeeping: the data wait, every --print-freq steps (the only host sync) the line, checks, signals."""
 
     started = False  # whether this process's loader workers have delivered their first batch
 
@@ -977,8 +923,7 @@ class Progress:
         self.meter = AverageMeter(device)
         self.data_wait = self.interval_wait = 0.0
         self.start = self.interval_start = time.perf_counter()
-        # A GPU may still run queued steps while the host waits for a batch: there the data wait is the GPU's idle
-        # time in each wait, between CUDA events recorded as it starts and ends, read at the next sync (step_done).
+        # A GPU may run queued steps while the host waits: there the data wait is the GPU's idle time (CUDA events).
         self.gpu_waits = [] if device.type == "cuda" else None
 
     def timed(self, loader):
@@ -1039,8 +984,7 @@ class Progress:
 
 
 class AverageMeter:
-    """Sums of loss, top-1 and top-5 hits and samples on the device: update() only queues device work, nothing waits
-    until reduced() (no per-step sync), whose "stop" is true on every rank once one was asked to stop."""
+    """Sums of loss, hits and samples on the device, synced by reduced(), whose "stop": a rank was asked to stop."""
 
     def __init__(self, device):
         self.sums = torch.zeros(5, dtype=torch.float64, device=device)  # float64: exact enough at any world size
@@ -1076,6 +1020,16 @@ def diverged(what, epoch, step, lr):
 
 # ---- checkpoints: writing, sealing, choosing and loading them ----
 
+# <prefix>N: at the end of epoch N-1, <prefix>N-stepS: in epoch N (.pth files; FSDP's, DeepSpeed's directories).
+CHECKPOINT_PREFIXES = ("checkpoint-epoch", "dcp-epoch", "ds-epoch")
+UMASK = os.umask(0o022)  # the process's umask: reading it means setting it, once, at import
+os.umask(UMASK)
+# The flags that change what a run trains (a method's own too, where it has them): a resume must keep them.
+RECIPE = ("batch_size", "lr", "warmup_epochs", "lr_step_size", "lr_gamma", "momentum", "weight_decay", "norm",
+          "image_size", "min_crop_scale", "amp_dtype", "grad_compression", "fp16_allreduce", "param_dtype",
+          "reduce_dtype", "precision")
+
+
 def check_finite(tensors, epoch, step, lr):
     """Before a checkpoint: its weights are finite on every rank (one small collective; sharded: each its shards)."""
     tensors = [t.to_local() if hasattr(t, "to_local") else getattr(t, "ds_tensor", t) for t in tensors]
@@ -1099,10 +1053,6 @@ def to_cpu(state):
     return state.cpu() if isinstance(state, torch.Tensor) else state
 
 
-# <prefix>N: at the end of epoch N-1, <prefix>N-stepS: in epoch N (.pth files; FSDP's, DeepSpeed's directories).
-CHECKPOINT_PREFIXES = ("checkpoint-epoch", "dcp-epoch", "ds-epoch")
-
-
 def checkpoint_paths(output_dir, prefix):
     """output_dir's checkpoints named prefix..., newest (epoch, step) first."""
     positions = {}
@@ -1124,10 +1074,6 @@ def digest(path):
             total.update(os.path.relpath(os.path.join(top, name), path).encode() + bytes.fromhex(
                 digest(os.path.join(top, name))))
     return total.hexdigest()
-
-
-UMASK = os.umask(0o022)  # the process's umask: reading it means setting it, once, at import
-os.umask(UMASK)
 
 
 def write_atomically(path, write):
@@ -1156,8 +1102,7 @@ def seal(path, keep):
 
 
 def intact(paths):
-    """paths, less those whose files differ from the digest written beside them, each left out with one
-    line. torch.load finds a cut-short file, not a flipped bit: its zip reader checks no CRC (tested)."""
+    """paths, less those that differ from the digest written beside them (torch's zip reader checks no CRC)."""
     for path in paths:
         if (os.path.isdir(path) and os.path.basename(path).startswith(CHECKPOINT_PREFIXES)
                 and not os.path.isfile(path + ".sha256")):
@@ -1194,23 +1139,15 @@ def save_checkpoint(state, is_best, args):
         if os.path.exists(tmp):
             os.remove(tmp)
         # A full disk: torch.save raises its own RuntimeError while handling the OSError.
-        cause = next((c for c in (e, e.__context__) if isinstance(c, OSError)), None)
-        if cause:
-            raise LocalError(f"cannot write a checkpoint in '{output_dir}': {cause.strerror or cause} (free "
-                             "space there or pass another --output-dir; checkpoints already there are intact)") from None
+        if cause := next((c for c in (e, e.__context__) if isinstance(c, OSError)), None):
+            raise LocalError(f"cannot write a checkpoint in '{output_dir}': {cause.strerror or cause} (free space "
+                             "there or pass another --output-dir; checkpoints already there are intact)") from None
         raise
 
 
-# The flags that change what a run trains (a method's own too, where it has them): a resume must keep them.
-RECIPE = ("batch_size", "lr", "warmup_epochs", "lr_step_size", "lr_gamma", "momentum", "weight_decay", "norm",
-          "image_size", "min_crop_scale", "amp_dtype", "grad_compression", "fp16_allreduce", "param_dtype",
-          "reduce_dtype", "precision")
-
-
 def choose_checkpoint(args, newest, found, missing, load):
-    """--resume's checkpoint as load(path) returns it (a dict) plus its "path", checked to fit -a and RECIPE; None to
-    start fresh. 'auto' takes the first of `newest` that is intact and loads, saying which it skipped; a --resume
-    that found(path) denies is the error `missing`. load raises UsageError to stop, else an older one is tried."""
+    """--resume's checkpoint, load(path) plus its "path", checked against -a and RECIPE; None: start fresh. 'auto': the
+    first of `newest` that is intact and loads (load raises UsageError to stop); not found(path): error `missing`."""
     if not args.resume:
         return None
     paths = newest if args.resume == "auto" else [os.path.normpath(args.resume)]
@@ -1246,15 +1183,13 @@ def choose_checkpoint(args, newest, found, missing, load):
 
 
 def load_checkpoint(args, model):
-    """Load --resume's checkpoint into the model and return it (None: start fresh). Onto the CPU, whatever wrote
-    it: load_state_dict copies the weights to the model's device; weights_only=True runs no pickled code."""
+    """Load --resume's checkpoint into the model and return it (None: start fresh); weights_only: no pickled code."""
     def load(path):
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
             raise UsageError(f"'{path}' is not a checkpoint written by this cookbook (no state_dict)")
         return checkpoint
-    # (checkpoint.pth alone: written before checkpoints were kept by name)
-    newest = checkpoint_paths(args.output_dir, "checkpoint-epoch") or [
+    newest = checkpoint_paths(args.output_dir, "checkpoint-epoch") or [  # checkpoint.pth alone: an older run's
         path for path in [os.path.join(args.output_dir, "checkpoint.pth")] if os.path.isfile(path)]
     checkpoint = choose_checkpoint(args, newest, os.path.isfile, f"no checkpoint at '{args.resume}': pass an "
                                    "existing file to --resume (or --resume auto)", load)
@@ -1276,8 +1211,7 @@ def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_
     if not args.evaluate:
         if "optimizer" in checkpoint:  # (FSDP's sharded checkpoints restore it from their shards)
             # The saved param groups would also replace this run's choice of implementation (fused, foreach).
-            chosen = [{key: group[key] for key in ("fused", "foreach") if key in group}
-                      for group in optimizer.param_groups]
+            chosen = [{k: group[k] for k in ("fused", "foreach") if k in group} for group in optimizer.param_groups]
             optimizer.load_state_dict(checkpoint["optimizer"])
             for group, keep in zip(optimizer.param_groups, chosen):
                 group.update(keep)
@@ -1291,7 +1225,6 @@ def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_
             state = checkpoint["rng"][rank]
             torch.set_rng_state(state["torch"])
             random.setstate(state["python"])
-            # A checkpoint written on the CPU has no GPU state: the GPUs keep their seeded generators.
             for device, device_state in zip([d for d in devices if d.type != "cpu"], state["devices"]):
                 torch.get_device_module(device).set_rng_state(device_state, device)
             train_loader.generator.set_state(state["loader"])
@@ -1304,8 +1237,7 @@ def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_
 # ---- metrics and profiling: the run's lines, metrics.jsonl, torch.profiler ----
 
 def report_start(model, world_size, device, micro_batch, args, *collectives):
-    """The run's first lines: what trains where, and the bytes each rank sends per step by ring algorithms (BatchNorm
-    buffers, metrics left out). collectives: (kind, dtype: torch's name, fp16, bf16, None/"none": own, count a step)."""
+    """The run's first lines. collectives: (kind, dtype: torch's name, fp16, bf16, None/"none": own, count a step)."""
     log(f"=> {METHOD}: world size {world_size}, device {device.type}, arch {args.arch}, global batch {args.batch_size} "
         f"({micro_batch} per process x {args.grad_accum_steps} micro-batches), launcher {launcher_name(args)}"
         + (f", decoder {args.decoder}" if args.decoder and args.data_backend == "torch" else ""))
@@ -1327,6 +1259,7 @@ def report_start(model, world_size, device, micro_batch, args, *collectives):
 
 OLDEST_TORCH = (2, 11)  # the GPU machine's torch: older ones never ran the tests (report_start warns)
 METRICS = {}  # rank 0's metrics log (open_metrics): its file, where training is
+PROFILE = {}  # --profile's torch.profiler while it runs
 DATA_STALL_SHARE = 0.2  # of an epoch's training time waiting for batches: the input limits the run (docs/input.md)
 
 
@@ -1339,8 +1272,7 @@ def summary(kind, **fields):
 
 
 def report_epoch(epoch, val, world_size, device, args, trained=None, start=None, lr=None):
-    """The epoch's SUMMARY line (-e: the evaluation's), then one saying what to try if the input limited the epoch.
-    trained: train()'s (metrics, seconds, seconds of data wait); start: the epoch's time.perf_counter()."""
+    """The epoch's SUMMARY line (-e: the evaluation's), then a data stall's. trained: train()'s Progress.result()."""
     fields = dict(method=METHOD, launcher=launcher_name(args), world_size=world_size, device=device.type, epoch=epoch)
     if trained is None:
         return summary("SUMMARY", **fields, **{f"val_{k}": v for k, v in val.items()})
@@ -1356,8 +1288,7 @@ def report_epoch(epoch, val, world_size, device, args, trained=None, start=None,
 
 
 def open_metrics(args, epoch, step):
-    """Rank 0, once it knows where training starts (epoch, step): metrics.jsonl loses the records after it, which a
-    resumed run would write twice (rewritten atomically); then write_metrics appends: one O_APPEND write() a line."""
+    """Rank 0: metrics.jsonl loses the records after (epoch, step), which a resumed run writes again; then appends."""
     if RANK != 0 or args.evaluate:
         return
     path, kept = os.path.join(args.output_dir, "metrics.jsonl"), []
@@ -1383,9 +1314,6 @@ def write_metrics(kind, position, **fields):
     except OSError as e:  # a full disk or quota: one line, from rank 0, which writes it
         raise LocalError(f"cannot write metrics.jsonl in --output-dir: {e.strerror} (free space there; "
                          "checkpoints already there are intact)") from None
-
-
-PROFILE = {}  # --profile's torch.profiler while it runs
 
 
 def start_profile(args, device, epoch, step, steps_per_epoch):
@@ -1419,20 +1347,16 @@ class Stopped(Exception):
 # What a collective raises where a peer process has exited (gloo: tcp/pair.cc); any other RuntimeError is a bug.
 PEER_EXITED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ncclRemoteError",
                "NCCL communicator was aborted", "Horovod has been shut down")
+STOP_SIGNALS = []  # the stop signals this process received (stop_on_signals)
 
 
-# @record: under torchrun, an uncaught exception's traceback goes into torchrun's failure summary (else: nothing).
-@record
+@record  # under torchrun: an uncaught exception's traceback into torchrun's failure summary (else: nothing)
 def run(main_worker, args):
-    """Train, and end as launchers and schedulers understand: bad input: one error line, exit 2; a stop signal:
-    exit 143 after the checkpoint; a collective timed out: the stalled ranks named, exit 1; a bug: its traceback."""
+    """Train; exit 2 on bad input (one line), 143 on a stop signal (checkpointed), 1 naming stalled ranks."""
     try:
         main_worker(args)
-        # FSDP's modules reach themselves through their hooks, so they outlive main_worker until a cyclic garbage
-        # collection. At interpreter exit, freeing them (and their gloo work) can abort the process (seen in CI).
-        gc.collect()
-        # Then leave: the group's last reference, dropped here, destroys it without the GIL. Dropped by DDP's reducer
-        # at main_worker's return, it held the GIL while joining gloo's threads, one needing it: a hang (torch 2.11).
+        gc.collect()  # FSDP's modules live in reference cycles: freed at interpreter exit, they can abort it (CI)
+        # Then the group's last reference is dropped here, without the GIL: dropped by DDP's reducer, it hung (2.11).
         leave_process_group()
         return
     except UsageError as e:
@@ -1440,28 +1364,25 @@ def run(main_worker, args):
         every_rank = not isinstance(e, LocalError)
     except Stopped:
         leave_process_group()  # no rank leaves before rank 0 has written the checkpoint
-        # A launcher's second SIGTERM would end the exit with -15: Python drops its handlers before torch's teardown.
-        ignore_stop_signals(None)
+        for signum in (signal.SIGTERM, signal.SIGUSR1):  # a launcher's second SIGTERM would end the exit with -15
+            signal.signal(signum, signal.SIG_IGN)
         sys.exit(143)  # 128 + SIGTERM, as if the signal had ended the process: not a success, so it is requeued
     except RuntimeError as e:
         if any(words in str(e) for words in PEER_EXITED):  # the peer's own line, or its launcher, says why
             print(f"rank {RANK} stopped: another rank exited (its own message, or the launcher's report, says why)",
                   file=sys.stderr, flush=True)
             sys.exit(1)
-        # gloo's words for a timed-out collective: on the one that waited, or on a later one that
-        # found its connections closed by the timeout. NCCL's aborts the process instead (docs/operations.md).
-        if not (dist.is_initialized() and ("Timed out waiting" in str(e) or "Application timeout" in str(e))):
-            raise
-        stalled = stalled_ranks()
-        if not stalled:
+        # gloo's words for a timed-out collective, or a later one (NCCL aborts the process: docs/operations.md).
+        timed_out = dist.is_initialized() and ("Timed out waiting" in str(e) or "Application timeout" in str(e))
+        if not (stalled := timed_out and stalled_ranks()):
             raise
         if RANK == min(set(range(dist.get_world_size())) - set(stalled)):  # one line, from the lowest live rank
             print(f"error: rank(s) {', '.join(map(str, stalled))} stalled: the others waited --dist-timeout "
                   f"{args.dist_timeout:g} s for them in a collective (a hang, a stopped process, or far slower "
                   "work: py-spy dump shows where it is)", file=sys.stderr, flush=True)
         sys.exit(1)
-    # Bad input: its traceback (main_worker's frames) is gone here. Where every rank met it, leave the group, else NCCL's
-    # exit prints a warning that destroy_process_group() was not called; not alone: it waits for peers that train on.
+    # Out of the except, main_worker's frames (its traceback's) are gone. Bad input on every rank: leave the group
+    # (else NCCL warns at exit); a rank alone would wait for peers training on.
     gc.collect()
     if dist.is_initialized() and every_rank:
         dist.destroy_process_group()
@@ -1469,9 +1390,7 @@ def run(main_worker, args):
 
 
 def stalled_ranks(grace=5.0):
-    """After a collective timed out, the ranks that stalled. The group's connections are closed, so each live
-    rank checks in on the rendezvous store (torchrun's, or rank 0's) and, `grace` seconds later (for the others
-    to time out too), lists who did not. A store that does not answer is rank 0's: rank 0 stalled."""
+    """After a timeout, the ranks not checking in on the rendezvous store; a store not answering: rank 0 stalled."""
     if "MASTER_ADDR" not in os.environ:  # a file:// rendezvous: no store to meet on
         return []
     key = f"cookbook/alive/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"  # one namespace per torchrun attempt
@@ -1484,23 +1403,17 @@ def stalled_ranks(grace=5.0):
             store.set(key + str(RANK), "1")
             time.sleep(grace)
             alive.extend(r for r in range(world_size) if store.check([key + str(r)]))
-
     thread = threading.Thread(target=check_in, daemon=True)
     thread.start()
     thread.join(3 * grace)
     return [r for r in range(world_size) if r not in alive] if alive else [0]
 
 
-STOP_SIGNALS = []  # the stop signals this process received (stop_on_signals)
-
-
 def stop_on_signals():
-    """SIGTERM (a launcher ending the job; Slurm's preemption) and SIGUSR1 (Slurm's warning before the time limit)
-    ask training to stop: the ranks agree on a step at their next metrics reduction, checkpoint it and exit 143."""
+    """SIGTERM (a launcher, Slurm's preemption) and SIGUSR1 (Slurm's time limit) stop training after a checkpoint."""
     for signum in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, lambda received, frame: STOP_SIGNALS.append(received))
-    # The loader workers ignore them, so multiprocessing's exit, which SIGTERMs leftover workers and waits for them,
-    # would wait for ever: kill them first. A finalizer: a process mp.spawn started runs no atexit.
+    # Workers ignore them, so multiprocessing's exit would wait for ever: kill them (mp.spawn's run no atexit).
     multiprocessing.util.Finalize(None, lambda: [child.kill() for child in multiprocessing.active_children()],
                                   exitpriority=0)
 
@@ -1514,13 +1427,6 @@ def supervise(processes):
             pass
     except torch.multiprocessing.ProcessExitedException as e:  # a failed one printed its error; a killed one not
         sys.exit(e.exit_code if e.exit_code > 0 else f"error: {e}")
-
-
-
-def ignore_stop_signals(worker_id):
-    """worker_init_fn: launchers signal the whole process group, and a worker would die before its trainer stopped."""
-    for signum in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(signum, signal.SIG_IGN)
 
 
 def state_digest(model):

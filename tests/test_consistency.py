@@ -29,7 +29,7 @@ SHARED_HELPERS = ["UsageError", "LocalError", "report", "log", "ArgumentParser",
                   "write_atomically", "seal", "intact", "save_checkpoint", "choose_checkpoint", "load_checkpoint",
                   "resume_training", "report_start", "summary", "report_epoch", "open_metrics", "write_metrics",
                   "start_profile", "Stopped", "run", "stalled_ranks", "stop_on_signals", "supervise",
-                  "ignore_stop_signals", "state_digest"]
+                  "state_digest"]
 # The block's sections, each opened by a one-line banner `# ---- NAME: what it holds ----`, in the order
 # main_worker meets them: a reader looking for a helper finds its section from the banners alone.
 SECTIONS = ["flags and errors", "set-up", "data", "the training loop's bookkeeping", "checkpoints",

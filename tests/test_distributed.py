@@ -511,15 +511,6 @@ def test_shard_batches_count_each_sample_once_in_the_same_batch():
         assert sorted(batches) == single and sorted(i for b in batches for i in b) == data
 
 
-def test_the_removed_tensorboard_flag_names_the_tool(capsys):
-    """--tensorboard left the trainers for tools/metrics_tensorboard.py: a job script still passing it is told where."""
-    with pytest.raises(SystemExit) as exit:
-        distributed.argument_parser().parse_args(["--tensorboard"])
-    assert exit.value.code == 2 and capsys.readouterr().err.splitlines() == [
-        "error: unrecognized arguments: --tensorboard: TensorBoard's events are now written by "
-        "tools/metrics_tensorboard.py OUTPUT_DIR [--follow 30]"]
-
-
 def test_lr_schedule_warmup_then_steps():
     args = distributed.argument_parser().parse_args(["--warmup-epochs", "2", "--lr-step-size", "3",
                                                      "--lr-gamma", "0.1"])
