@@ -658,7 +658,8 @@ def assert_stopped_from_outside(r, where):
     horovodrun passes it on and SIGKILLs the workers still running 5 s later (horovod/runner/common/util/
     safe_shell_exec.py, GRACEFUL_TERMINATION_TIME_S), which their exit can overrun after the checkpoint (the stop
     line): a process importing torch took 1-2.6 s to exit here, loaded 7 deep. It reports the status of the workers
-    that ended before it, 143 or 137 (128 + SIGKILL), and exits 1. The trainer alone and mp.spawn's launcher exit 143 themselves."""
+    that ended before it, 143 or 137 (128 + SIGKILL), and exits 1, or, racing itself, none and 0. The trainer alone and
+    mp.spawn's launcher exit 143 themselves."""
     output = r.stdout + r.stderr
     assert f"=> stopped on a signal after {where}" in r.stdout, output
     if r.launcher in ("torchrun", "launch"):
@@ -668,8 +669,11 @@ def assert_stopped_from_outside(r, where):
         assert r.returncode == 1 and "Main process received SIGTERM, exiting" in output, output
     elif r.launcher == "horovodrun":
         statuses = re.findall(r"Process \d+ exit with status code (-?\d+)\.", r.stdout)
-        # It lists the workers that ended before it did: one at least (seen: one of two, or both).
-        assert r.returncode == 1 and 1 <= len(statuses) <= r.nproc and set(statuses) <= {"143", "137"}, output
+        # It lists the workers that ended before it did: one at least (seen: one of two, or both). Or none, and exits
+        # 0: its middleman's psutil wait can reap the worker's shell before subprocess's wait, which then reads status
+        # 0 (seen in a loaded CI run; safe_shell_exec.py, terminate_executor_shell_and_children).
+        assert (r.returncode, statuses) == (0, []) or (
+            r.returncode == 1 and 1 <= len(statuses) <= r.nproc and set(statuses) <= {"143", "137"}), output
     else:
         assert_stopped(r, where)
 
