@@ -69,8 +69,7 @@ def setup_distributed(args):
     """Start Horovod, check the launch and pick this process's device: (rank, world size, device).
     hvd.init() comes first, as only Horovod knows the world size; every check after it fails all ranks alike."""
     global RANK
-    # hvd.init() joins the processes horovodrun (or mpirun) started; without a launcher it runs
-    # alone, as rank 0 of 1.
+    # hvd.init() joins the processes horovodrun (or mpirun) started; without a launcher it is rank 0 of 1.
     hvd.init()
     RANK, world_size = hvd.rank(), hvd.size()
     if args.dist_backend:  # torch.distributed's flag: it would be ignored
@@ -151,7 +150,8 @@ def main_worker(args):
     checkpoint = load_checkpoint(args, model)
     parallel_model = model  # Horovod wraps the optimizer instead
     micro_batch = args.batch_size // world_size // args.grad_accum_steps
-    report_start(model, world_size, device, micro_batch, args, ("all_reduce", "fp16" if args.fp16_allreduce else None, 1))
+    report_start(model, world_size, device, micro_batch, args,
+                 ("all_reduce", "fp16" if args.fp16_allreduce else None, 1))  # the gradients
     args.seed = common_seed(checkpoint, args)  # every rank shuffles alike: their shares partition the data
     train_sampler, train_loader, val_loader = build_loaders(args, train_set, val_set, world_size, rank, device,
                                                             micro_batch)
@@ -160,11 +160,10 @@ def main_worker(args):
     # fused: one kernel updates every parameter, on GPUs and on CPUs (3x faster than the default loop here).
     optimizer = torch.optim.SGD(model.parameters(), args.lr * args.batch_size / 256, momentum=args.momentum,
                                 weight_decay=args.weight_decay, fused=True)
-    # Horovod wraps the optimizer, not the model: the gradient of each parameter is all-reduced
-    # (averaged) as soon as backward has produced it, overlapping communication with the rest of
-    # backward, and step() waits for all of them. It counts backward passes and all-reduces only on
-    # the last micro-batch of each step; fp16 compression halves the bytes sent. (A new optimizer:
-    # wrap it before loading a checkpoint's state into it.)
+    # Horovod wraps the optimizer, not the model: each parameter's gradient is all-reduced (averaged) as soon as
+    # backward has produced it, overlapping the rest of backward; step() waits for all of them. It counts backward
+    # passes and all-reduces on each step's last micro-batch only; fp16 compression halves the bytes sent.
+    # (A new optimizer: wrap it before loading a checkpoint's state into it.)
     optimizer = hvd.DistributedOptimizer(
         optimizer, named_parameters=model.named_parameters(), backward_passes_per_step=args.grad_accum_steps,
         compression=hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none)
@@ -258,9 +257,8 @@ def finish(model, best_acc1=None):
 
 
 def leave_process_group():
-    """A barrier first: a rank that exits while a peer is still in a collective can make the peer abort.
-    (Horovod shuts itself down at exit.)"""
-    hvd.barrier()
+    """A barrier first: a rank that exits while a peer is still in a collective can make the peer abort."""
+    hvd.barrier()  # (Horovod shuts itself down at exit)
 
 
 # ---- helpers shared by every script: skip them on a first read ----
