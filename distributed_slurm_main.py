@@ -274,7 +274,6 @@ def leave_process_group():
 # Byte-identical in every script (tests/test_consistency.py); tools/sync_shared.py copies a change.
 
 # ---- flags and errors: the shared flags, one error line for bad input, rank 0's output ----
-
 class UsageError(Exception):
     """Bad input that every rank meets: global rank 0 reports it in one line, without a traceback."""
 
@@ -305,8 +304,7 @@ class ArgumentParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def number(kind, low, high=None, open_low=False):
-    """argparse type: a `kind` in [low, high] ((low, high] if open_low), else an error naming the range."""
+def number(kind, low, high=None, open_low=False):  # argparse type: kind in [low, high], (low, high] if open_low
     def parse(text):
         value = kind(text)
         if value < low or (open_low and value == low) or (high is not None and value > high):
@@ -317,8 +315,7 @@ def number(kind, low, high=None, open_low=False):
     return parse
 
 
-def step_range(text):
-    """argparse type of --profile: START:STOP, 2 <= START <= STOP (step START - 1 warms the profiler up)."""
+def step_range(text):  # --profile's argparse type: START:STOP, 2 <= START <= STOP (START - 1 warms it up)
     start, _, stop = text.partition(":")
     if not (start.isdigit() and stop.isdigit() and 2 <= int(start) <= int(stop)):
         raise argparse.ArgumentTypeError(f"'{text}' is not START:STOP with 2 <= START <= STOP: the step before START "
@@ -326,8 +323,7 @@ def step_range(text):
     return int(start), int(stop)
 
 
-def training_arguments(description):
-    """A parser with the flags every script shares (named as in pytorch/examples' imagenet)."""
+def training_arguments(description):  # the flags every script shares, named as in pytorch/examples' imagenet
     parser = ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = parser.add_argument
     add("--data", metavar="DIR", help="dataset root holding train/ and val/ in ImageFolder layout")
@@ -366,9 +362,7 @@ def training_arguments(description):
 
 
 # ---- set-up: seeds, devices, the process group, the output directory ----
-
-def seed_everything(seed):
-    """--seed: seeded generators and deterministic kernels; without it, cuDNN picks the fastest ones."""
+def seed_everything(seed):  # --seed: seeded generators, deterministic kernels; else cuDNN picks the fastest
     if seed is None:
         torch.backends.cudnn.benchmark = True
         return
@@ -396,14 +390,12 @@ def pick_device(args, local_rank, local_world_size, can_share=True):
     return torch.device(accelerator.type, local_rank % gpus)
 
 
-def require_bf16(wanted, device, error):
-    """A bf16 flag on a GPU without native bf16 (emulated only: including_emulation=False) is one error line."""
+def require_bf16(wanted, device, error):  # bf16 asked of a GPU that only emulates it: one error line
     if wanted and device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
         raise UsageError(error)
 
 
-def check_no_gpu_left_out(error):
-    """Torch sees no GPU: GPUs that nvidia-smi lists are an error, not a silent CPU run (a driver too old for CUDA)."""
+def check_no_gpu_left_out(error):  # GPUs nvidia-smi lists and torch cannot see: an error, not a silent CPU run
     if os.environ.get("CUDA_VISIBLE_DEVICES", "all").strip() in ("", "-1") or not shutil.which("nvidia-smi"):
         return  # GPUs hidden on purpose (as the CPU test suite does), or no NVIDIA driver
     try:
@@ -419,8 +411,7 @@ def check_no_gpu_left_out(error):
                     "train on the CPU")
 
 
-def check_slurm_step(world_size):
-    """A Slurm step of N tasks in a smaller process group trains N copies of one run: task 0 refuses it."""
+def check_slurm_step(world_size):  # N Slurm tasks in a smaller process group train N copies of one run: refused
     env = os.environ
     tasks = int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", 1))) if "SLURM_STEP_ID" in env else 1
     if world_size < tasks:
@@ -445,8 +436,7 @@ def check_batch(args, world_size, replicas=1, sync_bn=False):
                          "or pass --norm group (or --sync-bn on GPUs)")
 
 
-def join_process_group(device, args, port_hint, **kwargs):
-    """init_process_group (device_id binds an NCCL group to this GPU); a rendezvous that fails is one error line."""
+def join_process_group(device, args, port_hint, **kwargs):  # NCCL bound to its GPU; a failed rendezvous: one error line
     backend = args.dist_backend or dist.get_default_backend_for_device(device)
     if backend == "nccl" and device.type != "cuda":
         raise UsageError("--dist-backend nccl needs GPUs: leave it out on the CPU (gloo)")
@@ -459,56 +449,42 @@ def join_process_group(device, args, port_hint, **kwargs):
                          f"{port_hint}") from None
 
 
-def check_output_dir(args):
-    """Rank 0 claims --output-dir now, not after an epoch; all stop on its verdict (a collective: after rendezvous)."""
-    try:
-        if RANK == 0 and not args.evaluate:
-            claim_output_dir(args)
-        problem = ""  # a str on every rank: Horovod names an object collective by its type
-    except UsageError as e:
-        problem = str(e)
-    if problem := all_gather_objects(problem)[0]:
+def check_output_dir(args):  # rank 0 claims --output-dir now, not after an epoch; all stop on its verdict
+    # A str on every rank, "" if fine: Horovod names an object collective by its type.
+    if problem := all_gather_objects(claim_output_dir(args) if RANK == 0 and not args.evaluate else "")[0]:
         raise UsageError(problem)
 
 
-OUTPUT_LOCK = []  # rank 0's open lock file of --output-dir, held for the whole run
-
-
-def claim_output_dir(args):
-    """check_output_dir's checks, on rank 0, which then holds --output-dir's lock (flock) for the whole run."""
+def claim_output_dir(args):  # rank 0's checks (the problem, or ""); it then holds --output-dir's lock for the run
     try:
         os.makedirs(args.output_dir, exist_ok=True)
-        tempfile.TemporaryFile(dir=args.output_dir).close()
-        OUTPUT_LOCK.append(open(os.path.join(args.output_dir, ".lock"), "a"))
+        lock = os.open(os.path.join(args.output_dir, ".lock"), os.O_WRONLY | os.O_CREAT, 0o666)  # open until exit
         metrics = os.path.join(args.output_dir, "metrics.jsonl")
         if os.path.lexists(metrics):  # open_metrics appends to it after set-up: a directory there fails now
             open(metrics, "a").close()
     except OSError as e:
-        raise UsageError(f"cannot write checkpoints to --output-dir '{args.output_dir}': {e.strerror}"
-                         + (f" ('{e.filename}')" if e.filename else "")) from None
+        return f"cannot write checkpoints to --output-dir '{args.output_dir}': {e.strerror}" + (
+            f" ('{e.filename}')" if e.filename else "")
     try:  # flock: the kernel drops it when the process ends, however it ends, so no stale lock outlives a run
-        fcntl.flock(OUTPUT_LOCK[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise UsageError(f"another run is writing checkpoints in --output-dir '{args.output_dir}' (it holds "
-                         "its .lock): wait for it to end, or pass another --output-dir") from None
+        return (f"another run is writing checkpoints in --output-dir '{args.output_dir}' (it holds its .lock): "
+                "wait for it to end, or pass another --output-dir")
     except OSError as e:  # a file system without locks (Lustre mounted noflock, NFS without its lock service)
         log(f"=> warning: --output-dir '{args.output_dir}' cannot be locked ({e.strerror}): nothing stops a "
             "second run from writing there at the same time")
     used = sorted(name for name in os.listdir(args.output_dir) if name in ("checkpoint.pth", "model_best.pth")
                   or name.startswith(CHECKPOINT_PREFIXES))
-    if used and not args.resume:
-        raise UsageError(f"--output-dir '{args.output_dir}' holds another run's checkpoints ({used[0]}): "
-                         "pass --resume auto to continue that run, or another --output-dir for a new one")
+    return (f"--output-dir '{args.output_dir}' holds another run's checkpoints ({used[0]}): pass --resume auto to "
+            "continue that run, or another --output-dir for a new one") if used and not args.resume else ""
 
 
-def common_seed(checkpoint, args):
-    """The seed every rank shuffles with (else their shares overlap; collective): rank 0's, or the resumed run's."""
+def common_seed(checkpoint, args):  # every rank's shuffling seed (else shares overlap): rank 0's, or the resumed run's
     return checkpoint["args"]["seed"] if checkpoint else all_gather_objects(
         int.from_bytes(os.urandom(4), "little") if args.seed is None else args.seed)[0]
 
 
 # ---- data: datasets, the model, samplers, loaders (torch's and DALI's), batches on the device ----
-
 def build_datasets(args):
     if args.data_backend == "dali":
         if args.dummy:
@@ -522,10 +498,9 @@ def build_datasets(args):
                 SyntheticImages(val_count, args.image_size, 1000, offset=args.dummy_samples), 1000)
     if not args.data:
         raise UsageError("no dataset: pass --data DIR (with DIR/train and DIR/val) or --dummy")
-    for top in (os.path.join(args.data, "train"), os.path.join(args.data, "val")):
-        if not os.path.isdir(top):
-            raise UsageError(f"{top} is not a directory: --data must hold train/ and val/ in ImageFolder layout "
-                             "(python tools/make_demo_data.py writes a demo set)")
+    if missing := [top for top in ("train", "val") if not os.path.isdir(os.path.join(args.data, top))]:
+        raise UsageError(f"{os.path.join(args.data, missing[0])} is not a directory: --data must hold train/ and val/ "
+                         "in ImageFolder layout (python tools/make_demo_data.py writes a demo set)")
     train_tf = transforms.Compose([transforms.RandomResizedCrop(args.image_size, scale=(args.min_crop_scale, 1.0)),
                                    transforms.RandomHorizontalFlip(), transforms.PILToTensor()])
     val_tf = transforms.Compose([transforms.Resize(args.image_size * 256 // 224),
@@ -550,7 +525,8 @@ class ListedFolder(datasets.ImageFolder):
     def __init__(self, root, transform, loader):
         datasets.VisionDataset.__init__(self, root, transform=transform)
         self.loader, self.extensions = loader, datasets.folder.IMG_EXTENSIONS
-        folders = {}  # class: its (folder, files), the steps of ImageFolder's os.walk(class folder)
+        self.classes, self.class_to_idx = self.find_classes(root)
+        folders = {name: [] for name in self.classes}  # class: its (folder, files), the steps of os.walk(class folder)
         for path, dirs, files in os.walk(root, followlinks=True):
             parts = os.path.relpath(path, root).split(os.sep)
             # A symlink back to a directory above would add every image below it again, until the path is too long.
@@ -559,21 +535,16 @@ class ListedFolder(datasets.ImageFolder):
                 if os.path.realpath(os.path.join(path, name)) in above:
                     raise UsageError(f"symlink loop in --data: '{os.path.join(path, name)}' leads back to "
                                      f"'{os.path.realpath(os.path.join(path, name))}': remove or replace the link")
-            if path != root:
-                folders.setdefault(parts[0], []).append((path, files))
-        self.classes, self.class_to_idx = self.find_classes(root)
-        paths, counts = [], []
-        for name in self.classes:
-            count = len(paths)
-            for folder, files in sorted(folders.get(name, [])):
-                prefix = os.path.join(folder, "")  # + a name: os.path.join(folder, name), 6x faster
-                paths += [prefix + file for file in sorted(files) if file.lower().endswith(self.extensions)]
-            counts.append(len(paths) - count)
-        if not all(counts):  # ImageFolder's words
+            if path != root and parts[0] in folders:  # a prefix: prefix + name is 6x faster than os.path.join
+                folders[parts[0]].append((path, os.path.join(path, ""), files))
+        images = [[prefix + file for _, prefix, files in sorted(found) for file in sorted(files)  # ImageFolder's order
+                   if file.lower().endswith(self.extensions)] for found in folders.values()]
+        if not all(images):  # ImageFolder's words
             raise FileNotFoundError(f"Found no valid file for the classes "
-                                    f"{', '.join(name for name, count in zip(self.classes, counts) if not count)}. "
+                                    f"{', '.join(name for name, found in zip(self.classes, images) if not found)}. "
                                     f"Supported extensions are: {', '.join(self.extensions)}")
-        self.samples = self.imgs = FileTable(paths, numpy.repeat(numpy.arange(len(counts)), counts))
+        self.samples = self.imgs = FileTable([path for found in images for path in found],
+                                             numpy.repeat(numpy.arange(len(images)), list(map(len, images))))
         self.targets = self.samples.labels
 
 
@@ -622,8 +593,7 @@ class FileTable:
 
 
 @contextlib.contextmanager
-def open_image(path):
-    """PIL's Image.open (the header only): a file PIL cannot read, or a decompression bomb, is an error line."""
+def open_image(path):  # PIL's Image.open (header only): a file it cannot read, or a bomb, is an error line
     try:
         with Image.open(path) as image:
             yield image
@@ -631,8 +601,7 @@ def open_image(path):
         raise LocalError(f"cannot read image '{path}' ({e}): replace or delete the file") from None
 
 
-def pick_decoder(choice):
-    """--decoder's, by default TorchCodec where it imports (torchvision 0.29 deprecates its own), else torchvision."""
+def pick_decoder(choice):  # --decoder's; by default TorchCodec where it imports (torchvision 0.29 deprecates its own)
     if choice in (None, "torchcodec"):
         try:
             import torchcodec.decoders  # noqa: F401
@@ -670,8 +639,6 @@ class SyntheticImages(torch.utils.data.Dataset):
         return self.count
 
     def __getitem__(self, index):
-        if not 0 <= index < self.count:
-            raise IndexError(f"sample {index} of {self.count}")
         generator = torch.Generator().manual_seed(self.offset + index)
         image = torch.randint(0, 256, self.shape, dtype=torch.uint8, generator=generator)
         return image, int(torch.randint(self.num_classes, (), generator=generator))
@@ -793,8 +760,7 @@ class DaliLoader:
     def __len__(self):
         return len(self.batches)
 
-    def source(self):
-        """The next batch's encoded files and labels (+ crop anchors, shapes and flips for training), for DALI."""
+    def source(self):  # the next batch's encoded files and labels (+ crop anchors, shapes and flips to train)
         self.pending.append([key if self.seeded else (None, key) for key in next(self.pass_batches)])  # val: no epoch
         columns = [[], [], [], [], []]
         for epoch, index in self.pending[-1]:
@@ -845,8 +811,7 @@ class DaliLoader:
                 self.run()
             yield batch
 
-    def run(self):
-        """The pipeline's next batch on the device, or None where the pass is over (then reset for the next)."""
+    def run(self):  # the pipeline's next batch on the device, or None where the pass is over (then reset)
         try:
             with torch.profiler.record_function("enumerate(DaliLoader)#DaliLoader.__next__"):  # the data wait's span
                 images, labels = self.pipe.run()
@@ -867,14 +832,12 @@ class DaliLoader:
 
 
 @functools.cache
-def normalization(device, dtype):
-    """ImageNet's mean and std (of pixels in [0, 1]) as (1, 3, 1, 1) tensors on `device`, made once, not each step."""
+def normalization(device, dtype):  # ImageNet's mean, std (pixels in [0, 1]) as (1, 3, 1, 1) tensors, made once
     return tuple(torch.tensor(values, dtype=dtype, device=device).view(1, 3, 1, 1)
                  for values in ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)))
 
 
-def to_device(images, target, device):
-    """A batch (uint8: a 4x smaller copy; or floats in [0, 1]) onto the device, normalised there as by Normalize."""
+def to_device(images, target, device):  # uint8 (a 4x smaller copy) or [0, 1] floats onto the device, normalised there
     images = images.to(device, non_blocking=True)
     mean, std = normalization(images.device, torch.get_default_dtype())
     if images.dtype == torch.uint8:
@@ -892,9 +855,7 @@ def val_batches(loader, device, collective_model=None):
 
 
 # ---- the training loop's bookkeeping: lr schedule, progress lines, meters, divergence ----
-
-def lr_schedule(args, steps_per_epoch):
-    """Factor on the base lr at optimizer step s: linear warmup, then pytorch/examples' step decay."""
+def lr_schedule(args, steps_per_epoch):  # the lr's factor at step s: linear warm-up, then pytorch/examples' decay
     warmup_steps = args.warmup_epochs * steps_per_epoch
     return lambda step: (min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0) * args.lr_gamma ** (
         step // steps_per_epoch // args.lr_step_size)
@@ -1006,7 +967,6 @@ def diverged(what, epoch, step, lr):
 
 
 # ---- checkpoints: writing, sealing, choosing and loading them ----
-
 # <prefix>N: at the end of epoch N-1, <prefix>N-stepS: in epoch N (.pth files; FSDP's, DeepSpeed's directories).
 CHECKPOINT_PREFIXES = ("checkpoint-epoch", "dcp-epoch", "ds-epoch")
 UMASK = os.umask(0o022)  # the process's umask: reading it means setting it, once, at import
@@ -1017,22 +977,19 @@ RECIPE = ("batch_size", "lr", "warmup_epochs", "lr_step_size", "lr_gamma", "mome
           "reduce_dtype", "precision")
 
 
-def check_finite(tensors, epoch, step, lr):
-    """Before a checkpoint: its weights are finite on every rank (one small collective; sharded: each its shards)."""
+def check_finite(tensors, epoch, step, lr):  # before a checkpoint: finite weights on every rank (one small collective)
     tensors = [t.to_local() if hasattr(t, "to_local") else getattr(t, "ds_tensor", t) for t in tensors]
     bad = all_reduce_sum(torch.stack([t.detach().isfinite().all().logical_not() for t in tensors]).sum().double())
     if bad.item():
         raise diverged("the weights are not finite", epoch, step, lr)
 
 
-def rng_state(devices):
-    """The CPU's, Python's and `devices`' GPUs' generators, as CPU tensors (only those: --cpu never starts CUDA)."""
+def rng_state(devices):  # the CPU's, Python's and `devices`' GPU generators (only theirs: --cpu never starts CUDA)
     return {"torch": torch.get_rng_state(), "python": random.getstate(),
             "devices": [torch.get_device_module(d).get_rng_state(d) for d in devices if d.type != "cpu"]}
 
 
-def to_cpu(state):
-    """A copy of a (nested) state with every tensor on the CPU, so the checkpoint opens on any machine."""
+def to_cpu(state):  # a copy of a (nested) state with every tensor on the CPU: the checkpoint opens on any machine
     if isinstance(state, dict):
         return {key: to_cpu(value) for key, value in state.items()}
     if isinstance(state, (list, tuple)):
@@ -1040,8 +997,7 @@ def to_cpu(state):
     return state.cpu() if isinstance(state, torch.Tensor) else state
 
 
-def checkpoint_paths(output_dir, prefix):
-    """output_dir's checkpoints named prefix..., newest (epoch, step) first."""
+def checkpoint_paths(output_dir, prefix):  # output_dir's checkpoints named prefix..., newest (epoch, step) first
     positions = {}
     for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
         epoch, dash, step = name[len(prefix):].removesuffix(".pth").partition("-step")
@@ -1050,8 +1006,7 @@ def checkpoint_paths(output_dir, prefix):
     return sorted(positions, key=positions.get, reverse=True)
 
 
-def digest(path):
-    """SHA-256 of a checkpoint file (as sha256sum prints it), or of a directory's file names and files' SHA-256."""
+def digest(path):  # SHA-256 of a checkpoint file (as sha256sum prints it), or of a directory's names and files
     if os.path.isfile(path):
         with open(path, "rb") as f:
             return hashlib.file_digest(f, "sha256").hexdigest()
@@ -1063,8 +1018,7 @@ def digest(path):
     return total.hexdigest()
 
 
-def write_atomically(path, write):
-    """write(file) into a temporary file beside `path`, fsync'd, renamed over it: a crash leaves the old file whole."""
+def write_atomically(path, write):  # into a fsync'd temp file renamed over path: a crash leaves the old file whole
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     os.fchmod(fd, 0o666 & ~UMASK)  # open()'s mode, not mkstemp's 0600: colleagues and tools/ can read a run's files
     try:
@@ -1078,8 +1032,7 @@ def write_atomically(path, write):
         raise
 
 
-def seal(path, keep):
-    """Rank 0, once checkpoint `path` is complete: its digest into path.sha256; all but the newest `keep` removed."""
+def seal(path, keep):  # rank 0, once checkpoint `path` is complete: its digest in .sha256; only the newest `keep` kept
     write_atomically(path + ".sha256", lambda f: f.write(digest(path).encode()))
     directory, name = os.path.split(path)
     for old in checkpoint_paths(directory, name[:name.index("epoch") + 5])[keep:]:
@@ -1088,8 +1041,7 @@ def seal(path, keep):
             os.remove(old + ".sha256")
 
 
-def intact(paths):
-    """paths, less those that differ from the digest written beside them (torch's zip reader checks no CRC)."""
+def intact(paths):  # paths, less those that differ from the digest written beside them (torch's zip checks no CRC)
     for path in paths:
         if (os.path.isdir(path) and os.path.basename(path).startswith(CHECKPOINT_PREFIXES)
                 and not os.path.isfile(path + ".sha256")):
@@ -1169,8 +1121,7 @@ def choose_checkpoint(args, newest, found, missing, load):
     raise error
 
 
-def load_checkpoint(args, model):
-    """Load --resume's checkpoint into the model and return it (None: start fresh); weights_only: no pickled code."""
+def load_checkpoint(args, model):  # loads --resume's checkpoint into model, returns it (None: fresh), no pickled code
     def load(path):
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
@@ -1222,7 +1173,6 @@ def resume_training(checkpoint, optimizer, scheduler, train_loader, rank, world_
 
 
 # ---- metrics and profiling: the run's lines, metrics.jsonl, torch.profiler ----
-
 def report_start(model, world_size, device, micro_batch, args, *collectives):
     """The run's first lines. collectives: (kind, dtype: torch's name, fp16, bf16, None/"none": own, count a step)."""
     log(f"=> {METHOD}: world size {world_size}, device {device.type}, arch {args.arch}, global batch {args.batch_size} "
@@ -1250,8 +1200,7 @@ PROFILE = {}  # --profile's torch.profiler while it runs
 DATA_STALL_SHARE = 0.2  # of an epoch's training time waiting for batches: the input limits the run (docs/input.md)
 
 
-def summary(kind, **fields):
-    """One machine-readable JSON line (rank 0), for statistics.sh and the tests; in metrics.jsonl too."""
+def summary(kind, **fields):  # one JSON line (rank 0) for statistics.sh and the tests, in metrics.jsonl too
     log(f"{kind} " + json.dumps(fields))
     # An epoch's SUMMARY comes after its last step: it sits at the next epoch's start (DONE: where training ended).
     position = (fields["epoch"] + 1, 0) if kind == "SUMMARY" and "epoch" in fields else METRICS.get("position")
@@ -1274,8 +1223,7 @@ def report_epoch(epoch, val, world_size, device, args, trained=None, start=None,
             f"loader workers (-j, now {args.workers}), --data-backend dali, or resized data (tools/resize_dataset.py)")
 
 
-def open_metrics(args, epoch, step):
-    """Rank 0: metrics.jsonl loses the records after (epoch, step), which a resumed run writes again; then appends."""
+def open_metrics(args, epoch, step):  # rank 0: metrics.jsonl cut after (epoch, step), which a resume writes again
     if RANK != 0 or args.evaluate:
         return
     path, kept = os.path.join(args.output_dir, "metrics.jsonl"), []
@@ -1290,8 +1238,7 @@ def open_metrics(args, epoch, step):
     METRICS.update(fd=os.open(path, os.O_WRONLY | os.O_APPEND), position=(epoch, step))
 
 
-def write_metrics(kind, position, **fields):
-    """Append one record at training position (epoch, steps done in it) to metrics.jsonl, rank 0's."""
+def write_metrics(kind, position, **fields):  # rank 0: a record at (epoch, steps done in it) into metrics.jsonl
     if "fd" not in METRICS:
         return
     METRICS["position"] = position
@@ -1303,8 +1250,7 @@ def write_metrics(kind, position, **fields):
                          "checkpoints already there are intact)") from None
 
 
-def start_profile(args, device, epoch, step, steps_per_epoch):
-    """--profile: start torch.profiler, recording nothing before step START (steps of this run from 1)."""
+def start_profile(args, device, epoch, step, steps_per_epoch):  # --profile's torch.profiler, recording from step START
     if not args.profile or args.evaluate:
         return
     start, stop = args.profile
@@ -1326,7 +1272,6 @@ def start_profile(args, device, epoch, step, steps_per_epoch):
 
 
 # ---- exit: exit codes, stalled ranks, stop signals, the final model's digest ----
-
 class Stopped(Exception):
     """Every rank stopped training after the same step, on a signal, and rank 0 wrote a checkpoint."""
 
@@ -1338,8 +1283,7 @@ STOP_SIGNALS = []  # the stop signals this process received (stop_on_signals)
 
 
 @record  # under torchrun: an uncaught exception's traceback into torchrun's failure summary (else: nothing)
-def run(main_worker, args):
-    """Train; exit 2 on bad input (one line), 143 on a stop signal (checkpointed), 1 naming stalled ranks."""
+def run(main_worker, args):  # train; exit 2: bad input (one line), 143: stopped (checkpointed), 1: stalled ranks named
     try:
         main_worker(args)
         gc.collect()  # FSDP's modules live in reference cycles: freed at interpreter exit, they can abort it (CI)
@@ -1376,8 +1320,7 @@ def run(main_worker, args):
     sys.exit(2)
 
 
-def stalled_ranks(grace=5.0):
-    """After a timeout, the ranks not checking in on the rendezvous store; a store not answering: rank 0 stalled."""
+def stalled_ranks(grace=5.0):  # after a timeout: ranks not checking in on the rendezvous store (no store: rank 0)
     if "MASTER_ADDR" not in os.environ:  # a file:// rendezvous: no store to meet on
         return []
     key = f"cookbook/alive/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"  # one namespace per torchrun attempt
@@ -1396,8 +1339,7 @@ def stalled_ranks(grace=5.0):
     return [r for r in range(world_size) if r not in alive] if alive else [0]
 
 
-def stop_on_signals():
-    """SIGTERM (a launcher, Slurm's preemption) and SIGUSR1 (Slurm's time limit) stop training after a checkpoint."""
+def stop_on_signals():  # SIGTERM (launchers, Slurm's preemption), SIGUSR1 (Slurm's time limit): checkpoint, stop
     for signum in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, lambda received, frame: STOP_SIGNALS.append(received))
     # Workers ignore them, so multiprocessing's exit would wait for ever: kill them (mp.spawn's run no atexit).
@@ -1405,8 +1347,7 @@ def stop_on_signals():
                                   exitpriority=0)
 
 
-def supervise(processes):
-    """mp.spawn(join=False)'s wait: stop signals to the launcher (Slurm's may reach it alone) go on to each process."""
+def supervise(processes):  # mp.spawn(join=False)'s wait; signals to it (Slurm's may reach it alone) go to each process
     for signum in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, lambda received, frame: [os.kill(pid, received) for pid in processes.pids()])
     try:
@@ -1416,8 +1357,7 @@ def supervise(processes):
         sys.exit(e.exit_code if e.exit_code > 0 else f"error: {e}")
 
 
-def state_digest(model):
-    """SHA-256 of all parameters and buffers: equal digests, identical models (FSDP's shards gathered: a collective)."""
+def state_digest(model):  # SHA-256 of all parameters and buffers: FSDP's shards gathered (a collective)
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
         tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
