@@ -590,8 +590,8 @@ class ListedFolder(datasets.ImageFolder):
                 if os.path.realpath(os.path.join(path, name)) in above:
                     raise UsageError(f"symlink loop in --data: '{os.path.join(path, name)}' leads back to "
                                      f"'{os.path.realpath(os.path.join(path, name))}': remove or replace the link")
-            if path != root and parts[0] in folders:  # a prefix: prefix + name is 6x faster than os.path.join
-                folders[parts[0]].append((path, os.path.join(path, ""), files))
+            if path != root and parts[0] in folders:
+                folders[parts[0]].append((path, os.path.join(path, ""), files))  # prefix + name: 6x os.path.join's pace
         images = [[prefix + file for _, prefix, files in sorted(found) for file in sorted(files)  # ImageFolder's order
                    if file.lower().endswith(self.extensions)] for found in folders.values()]
         if not all(images):  # ImageFolder's words
